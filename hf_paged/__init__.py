@@ -1,0 +1,1 @@
+"""hf_paged: paged-attention continuous batching behind transformers model.generate."""
