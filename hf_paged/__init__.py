@@ -1,1 +1,18 @@
-"""hf_paged: paged-attention continuous batching behind transformers model.generate."""
+"""hf_paged: paged-attention continuous batching behind transformers' model.generate.
+
+    import hf_paged
+    hf_paged.patch(model)            # engine options as keyword arguments
+    model.generate(**inputs, max_new_tokens=64)
+    hf_paged.unpatch(model)
+"""
+
+from hf_paged.config import EngineConfig
+from hf_paged.engine import Engine
+from hf_paged.patching import get_engine, patch, unpatch
+from hf_paged.request import RequestOutput
+from hf_paged.sampling_params import SamplingParams
+
+__all__ = [
+    "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "get_engine", "patch", "unpatch",
+]
+__version__ = "0.1.0"

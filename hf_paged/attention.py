@@ -1,0 +1,138 @@
+"""Paged attention as a transformers attention function, and the backends that compute it.
+
+transformers' attention modules keep their projections, rotary embeddings and norms and call
+`ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, scaling=..., ...)`.
+`patch()` points that at `paged_attention_forward`, which writes the step's new K/V into the
+paged cache and attends over each sequence's block table. Outside an engine step (a patched model
+called directly) it falls back to transformers' sdpa, so the model still works as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_paged.forward_context import AttentionMetadata, get_forward_context
+
+ATTN_IMPLEMENTATION = "hf_paged"
+
+
+class AttentionBackend:
+    """write_kv + paged_attention over the contract in hf_paged.forward_context."""
+
+    name = "base"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def paged_attention(
+        self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+        sliding_window: int | None, softcap: float | None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """Pure torch: the CPU path, and the reference the Triton kernels are tested against."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        from hf_paged.kernels import write_kv_ref
+
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(self, query, key_cache, value_cache, meta, scale, sliding_window, softcap):
+        from hf_paged.kernels import paged_attention_ref
+
+        return paged_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
+
+
+class TritonBackend(AttentionBackend):
+    """The Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1, for tests)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from hf_paged import kernels
+
+        if not hasattr(kernels, "paged_attention") or not hasattr(kernels, "write_kv"):
+            raise ValueError("attention_backend='triton': the Triton kernels are not available")
+        self._kernels = kernels
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self._kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(self, query, key_cache, value_cache, meta, scale, sliding_window, softcap):
+        return self._kernels.paged_attention(
+            query, key_cache, value_cache, meta, scale, sliding_window=sliding_window,
+            softcap=softcap,
+        )
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton":
+            try:
+                return TritonBackend()
+            except ValueError:
+                return TorchBackend()
+    return TritonBackend() if name == "triton" else TorchBackend()
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]: the flat batch is one "row" to transformers
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    ctx = get_forward_context()
+    if ctx is None:  # not inside an engine step: behave exactly like transformers' sdpa
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+            sliding_window=sliding_window, softcap=softcap, **kwargs,
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"paged attention expects the flat batch as one row, got {query.shape}")
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
+    key_cache, value_cache = ctx.kv_caches[layer_idx]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    if k.shape[1:] != key_cache.shape[2:]:
+        raise ValueError(
+            f"layer {layer_idx}: key heads/size {tuple(k.shape[1:])} do not match the KV cache "
+            f"{tuple(key_cache.shape[2:])}"
+        )
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    backend = ctx.backend
+    backend.write_kv(k, v, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
+    out = backend.paged_attention(
+        q, key_cache, value_cache, ctx.attn_metadata, scaling,
+        sliding_window if sliding_window else None, softcap if softcap else None,
+    )
+    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+def paged_mask(*args, **kwargs):
+    """Inside an engine step the block tables are the mask: build none. Outside, sdpa's mask."""
+    if get_forward_context() is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_mask)

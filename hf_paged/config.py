@@ -1,0 +1,58 @@
+"""Engine options, resolved against the model once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every option `patch(model, **options)` and `Engine(model, **options)` accept."""
+
+    block_size: int = 16
+    # KV capacity: an explicit block count wins; else CUDA sizes it from free memory after a
+    # profiling forward (gpu_memory_utilization) and CPU from cpu_kv_cache_bytes.
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    max_num_batched_tokens: int | None = None  # token budget per step; None: 8192 CUDA, 2048 CPU
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
+    attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value) -> None:
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("block_size", self.block_size)
+        positive("num_blocks", self.num_blocks)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_model_len", self.max_model_len)
+        positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', "
+                f"got {self.attention_backend!r}"
+            )
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**options)

@@ -1,0 +1,240 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+    engine = Engine(model, tokenizer)
+    engine.add_request("Hello", SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hf_paged.config import EngineConfig
+from hf_paged.kv_cache_manager import KVCacheManager
+from hf_paged.model_runner import ModelRunner
+from hf_paged.request import Request, RequestOutput
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, **options) -> None:
+        from hf_paged.integrations.transformers import enable_paged_attention
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = EngineConfig.from_options(**options)
+        enable_paged_attention(model)
+        text_cfg = model.config.get_text_config()
+        model_max = getattr(text_cfg, "max_position_embeddings", None)
+        if config.max_model_len is None:
+            if model_max is None:
+                raise ValueError("max_model_len: the model config has no max_position_embeddings")
+            config.max_model_len = model_max
+        self.vocab_size = text_cfg.vocab_size
+        device = next(model.parameters()).device
+        if config.max_num_batched_tokens is None:
+            config.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+        if not config.enable_chunked_prefill:
+            config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
+        self.runner = ModelRunner(model, config)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.default_eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.peak_blocks_used = 0
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        request_id = str(request_id)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} already exists")
+        prompt_ids = self._prompt_token_ids(prompt)
+        n = len(prompt_ids)
+        cfg = self.config
+        max_total = n + params.max_tokens
+        if max_total > cfg.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {max_total} "
+                f"exceeds max_model_len ({cfg.max_model_len})"
+            )
+        if self.kv.blocks_needed(max_total) > self.kv.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) needs "
+                f"{self.kv.blocks_needed(max_total)} KV blocks, the cache has {self.kv.num_blocks}"
+            )
+        eos = params.eos_token_id if params.eos_token_id is not None else self.default_eos_token_ids
+        stop = set() if params.ignore_eos else set(eos)
+        stop.update(params.stop_token_ids or ())
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        request = Request(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+            eos_token_ids=frozenset(stop), max_total_tokens=max_total, priority=priority,
+            arrival_index=next(self._arrivals), generator=generator,
+        )
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _prompt_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a string prompt needs Engine(model, tokenizer)")
+            prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("prompt must be a string or a sequence of integer token ids") from None
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        if request_id not in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- stepping ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that got a token."""
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        used = self.kv.num_blocks - self.kv.get_num_free_blocks()
+        self.peak_blocks_used = max(self.peak_blocks_used, used)
+        runner_out = self.runner.execute(sched, self.kv)
+        advanced, _ = self.scheduler.update_from_output(sched, runner_out)
+        self.num_steps += 1
+        now = time.perf_counter()
+        outputs = []
+        for r in advanced:
+            if r.first_token_time is None:
+                r.first_token_time = now
+            if r.status.finished:
+                r.finish_time = now
+            outputs.append(_make_output(r, 1))
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion through continuous batching; outputs in input order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="hf_paged", unit="req")
+        try:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in final and rid in self.scheduler.requests:
+                    self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[rid] for rid in ids]
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        pc = self.kv.prefix_cache_stats
+        return {
+            "num_blocks": self.kv.num_blocks,
+            "block_size": self.config.block_size,
+            "free_blocks": self.kv.get_num_free_blocks(),
+            "peak_blocks_used": self.peak_blocks_used,
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "attention_backend": self.runner.backend.name,
+            "max_model_len": self.config.max_model_len,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+        }
+
+    def check_invariants(self) -> None:
+        """Block accounting is consistent; with no requests left, every block is free."""
+        self.kv.check_invariants()
+        if not self.scheduler.has_unfinished_requests():
+            assert self.kv.get_num_free_blocks() == self.kv.num_blocks, "KV blocks leaked"
+            assert not self.kv.req_to_blocks, "finished requests still hold blocks"
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+
+def _make_output(r: Request, num_new: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        output_token_ids=r.output_token_ids,
+        new_token_ids=r.all_token_ids[-num_new:] if num_new else [],
+        finished=r.status.finished,
+        finish_reason=r.finish_reason,
+        num_cached_tokens=max(r.num_cached_tokens, 0),
+        prompt_logprobs=r.prompt_logprobs,
+        arrival_time=r.arrival_time,
+        first_token_time=r.first_token_time,
+        finish_time=r.finish_time,
+    )
+

@@ -1,0 +1,170 @@
+"""Which blocks each request holds: prefix-cache lookup, slot allocation, freeing.
+
+The manager works in tokens and blocks only; it never touches KV tensors. Invariant: request r
+holds ceil(tokens_allocated(r) / block_size) blocks, listed in req_to_blocks[r] in logical order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hf_paged.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from hf_paged.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # block ids kept alongside the blocks so building block tables never walks objects
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already published
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ------------------------------------------------------------------------------
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend request.block_hashes to cover its full blocks among the first num_tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        extra = request_extra_keys(request)
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute (the sampler needs its logits), so a prompt
+        that is entirely cached still recomputes its last block: a repeated 200-token prompt with
+        block_size 16 computes 8 tokens, a repeated 192-token prompt 16.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs:
+            # prompt log-probs need the logits of every prompt position: compute them all
+            return [], 0
+        self._update_block_hashes(request, request.num_tokens)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    # -- allocation --------------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for num_new_tokens more tokens (after any prefix-cache hits). Returns the newly
+        allocated blocks, or None (changing nothing) when the free blocks do not suffice."""
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        num_held = len(held) if held is not None else 0
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = num_required - num_held - len(new_computed_blocks)
+        # hits that sit in the free queue (ref_cnt 0) stop being free once we take them
+        num_hits_from_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_hits_from_free > self.block_pool.get_num_free_blocks():
+            return None
+        if held is None:
+            held = self.req_to_blocks[rid] = []
+            self.req_to_block_ids[rid] = []
+            self.num_cached_blocks[rid] = 0
+        ids = self.req_to_block_ids[rid]
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            held.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
+            self.num_cached_blocks[rid] = len(held)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        held.extend(new_blocks)
+        ids.extend(b.block_id for b in new_blocks)
+        if self.enable_caching:
+            # Publish blocks that this step fills completely. Publishing before the forward is safe:
+            # each layer writes the whole batch's K/V before any attention reads it, so a request
+            # that hits one of these blocks later in the same step reads finished values.
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks[rid]
+        if num_full <= start:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        blocks = self.req_to_blocks[rid]
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first so its tail is evicted before its prefix."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_ids.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_block_ids.get(request_id, [])
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block accounting is inconsistent (used by tests after each run)."""
+        pool = self.block_pool
+        refs = [0] * pool.num_blocks
+        for rid, blocks in self.req_to_blocks.items():
+            assert [b.block_id for b in blocks] == self.req_to_block_ids[rid], rid
+            for b in blocks:
+                refs[b.block_id] += 1
+        free = {b.block_id for b in pool.free_block_queue}
+        assert len(free) == pool.get_num_free_blocks(), "free queue count drifted"
+        for block in pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], f"refcount mismatch on {block}"
+            assert (block.ref_cnt == 0) == (block.block_id in free), f"free-queue mismatch {block}"
+        used = sum(1 for r in refs if r > 0)
+        assert used + len(free) == pool.num_blocks, "free + used != total"
+        for block_hash, block in pool.cached_blocks.items():
+            assert block.block_hash == block_hash, f"stale cache entry for {block}"
+
+
+def request_extra_keys(request: Request) -> tuple | None:
+    """Keys besides the tokens that decide whether KV can be shared (an adapter id, later)."""
+    return None

@@ -1,0 +1,236 @@
+"""Runs one scheduled step: flat token batch -> model forward over the paged cache -> tokens.
+
+No padding: the step's tokens from every scheduled request are concatenated into one row of
+input_ids/position_ids, and attention metadata tells each layer where each sequence starts and
+which cache blocks it owns. Logits are computed only where a token is sampled (and, for requests
+that asked for prompt log-probs, at every prompt position).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from hf_paged.attention import make_backend
+from hf_paged.config import EngineConfig
+from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.kv_cache_manager import KVCacheManager
+from hf_paged.request import Request
+from hf_paged.sampler import Sampler
+from hf_paged.scheduler import ModelRunnerOutput, SchedulerOutput
+
+
+class KVCacheSpec:
+    """Per-layer KV geometry read from the model config."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> None:
+        cfg = model.config.get_text_config()
+        self.num_layers = cfg.num_hidden_layers
+        num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        self.block_size = block_size
+        self.dtype = dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=device),
+             torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(self.num_layers)
+        ]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        param = next(model.parameters())
+        self.device = param.device
+        model_dtype = getattr(model, "dtype", param.dtype)
+        if config.kv_cache_dtype == "auto":
+            kv_dtype = model_dtype
+        else:
+            kv_dtype = getattr(torch, config.kv_cache_dtype, None)
+            if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
+                raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not a float dtype")
+        self.block_size = config.block_size
+        self.spec = KVCacheSpec(model, config.block_size, kv_dtype)
+        self.backend = make_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(self.device)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.num_blocks = self._determine_num_blocks()
+        self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def _determine_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = self.spec.bytes_per_block
+        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        if self.device.type != "cuda":
+            # Enough for max_num_seqs full-length sequences, within cpu_kv_cache_bytes.
+            return max(1, min(cfg.cpu_kv_cache_bytes // per_block, cfg.max_num_seqs * blocks_per_seq))
+        return self._profile_cuda_num_blocks(per_block)
+
+    def _profile_cuda_num_blocks(self, per_block: int) -> int:
+        """Run one forward at the full token budget with a scratch cache, measure peak memory, and
+        give the KV cache what remains of gpu_memory_utilization * total memory."""
+        cfg = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = cfg.max_num_batched_tokens
+        seq_len = min(num_tokens, cfg.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        scratch_blocks = sum(-(-n // self.block_size) for n in lens)
+        caches = self.spec.allocate(scratch_blocks, self.device)
+        meta, positions = _profile_metadata(lens, self.block_size, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        keep = torch.arange(max(0, num_tokens - cfg.max_num_seqs), num_tokens, device=self.device)
+        with torch.inference_mode(), forward_context(ForwardContext(meta, caches, self.backend)):
+            logits = self._forward(ids, positions, keep)
+            logits.float().softmax(-1)  # the sampler's working set
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        kv_bytes = int(total * cfg.gpu_memory_utilization) - peak - non_torch
+        num_blocks = kv_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no memory for the KV "
+                f"cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it or "
+                "lower max_num_batched_tokens"
+            )
+        return int(num_blocks)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
+        if self._logits_to_keep:
+            out = self.model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                logits_to_keep=keep,
+            )
+            return out.logits[0]
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out.logits[0, keep]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        requests = sched.requests
+        num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
+        num_seqs = len(requests)
+        bs = self.block_size
+        starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
+        seq_lens = starts + num_sched
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_of_token = np.repeat(np.arange(num_seqs), num_sched)
+        positions = np.arange(num_tokens) - qsl[seq_of_token] + starts[seq_of_token]
+
+        input_ids: list[int] = []
+        block_lists = []
+        for r, s, n in zip(requests, starts.tolist(), sched.num_scheduled_tokens):
+            input_ids.extend(r.all_token_ids[s : s + n])
+            block_lists.append(kv.get_block_ids(r.request_id))
+        max_blocks = max(len(b) for b in block_lists)
+        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, blocks in enumerate(block_lists):
+            block_table[i, : len(blocks)] = blocks
+        slot_mapping = block_table[seq_of_token, positions // bs] * bs + positions % bs
+
+        # Which rows of logits to compute: the last token of requests that reach the end of their
+        # known tokens (they sample), plus every prompt position of prompt-logprob requests.
+        sample_rows: list[int] = []  # index into requests
+        sample_keep: list[int] = []  # their row in `keep`
+        keep: list[int] = []
+        logprob_spans: list[tuple[Request, int, int, int]] = []  # (req, first pos, count, keep offset)
+        for i, r in enumerate(requests):
+            start, end = int(starts[i]), int(seq_lens[i])
+            if r.sampling_params.prompt_logprobs and start < r.num_prompt_tokens - 1:
+                last = min(end, r.num_prompt_tokens - 1)  # positions start..last-1 predict a prompt token
+                logprob_spans.append((r, start, last - start, len(keep)))
+                keep.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
+            if end == r.num_tokens:
+                sample_rows.append(i)
+                sample_keep.append(len(keep))
+                keep.append(int(qsl[i + 1]) - 1)
+        if not keep:
+            keep.append(num_tokens - 1)  # the forward still writes K/V; its logits are unused
+
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(block_table.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(positions).to(dev)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+            logits = self._forward(ids_t, pos_t, keep_t)
+
+        for r, first, count, offset in logprob_spans:
+            rows = logits[offset : offset + count].float().log_softmax(-1)
+            targets = torch.tensor(r.prompt_token_ids[first + 1 : first + 1 + count], device=dev)
+            values = rows.gather(-1, targets[:, None])[:, 0].tolist()
+            if r.prompt_logprobs is None:
+                r.prompt_logprobs = [None] * r.num_prompt_tokens
+            r.prompt_logprobs[first + 1 : first + 1 + count] = values
+
+        sampled = [-1] * num_seqs
+        if sample_rows:
+            if logprob_spans:
+                rows_logits = logits[torch.tensor(sample_keep, device=dev)]
+            else:  # sampling rows are all of `keep`, in order
+                rows_logits = logits
+            tokens = self.sampler(rows_logits, [requests[i] for i in sample_rows]).tolist()
+            for i, t in zip(sample_rows, tokens):
+                sampled[i] = t
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
+    qsl = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    max_blocks = max(-(-n // block_size) for n in lens)
+    block_table = np.zeros((len(lens), max_blocks), dtype=np.int64)
+    positions, slots, next_block = [], [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        block_table[i, :nb] = np.arange(next_block, next_block + nb)
+        next_block += nb
+        pos = np.arange(n)
+        positions.append(pos)
+        slots.append(block_table[i, pos // block_size] * block_size + pos % block_size)
+    meta = AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        query_start_loc_host=qsl.tolist(),
+        seq_lens_host=list(lens),
+    )
+    return meta, torch.from_numpy(np.concatenate(positions)).to(device)
+

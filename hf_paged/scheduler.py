@@ -1,0 +1,222 @@
+"""One token budget per step, shared by running and waiting requests (vLLM V1 style).
+
+Each step the scheduler hands out up to max_num_batched_tokens tokens: first to running requests
+(one token for a decode, the next chunk for an unfinished prefill), then to waiting requests in
+policy order (their first chunk, after prefix-cache hits). When blocks run out, the lowest-ranked
+running request (the newest for FCFS) is preempted by recompute: its blocks are freed, its
+num_computed_tokens is reset, and it waits at the front of the queue. Its full blocks usually
+survive in the prefix cache, so the recompute is mostly cache hits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from hf_paged.config import EngineConfig
+from hf_paged.kv_cache_manager import KVCacheManager
+from hf_paged.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The step's batch: requests in batch order and how many new tokens each computes."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """sampled_token_ids[i] belongs to SchedulerOutput.requests[i]; -1 where nothing was sampled
+    (a prefill chunk that does not reach the end of the request's tokens)."""
+
+    sampled_token_ids: list[int]
+
+
+class WaitingQueue:
+    """FCFS: a deque, preempted requests go back to the front. Priority: a heap on
+    (priority, arrival), so a preempted request regains its place by its own key."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.sort_key("priority"), next(self._counter), request))
+        else:
+            self._fifo.append(request)
+
+    def prepend(self, request: Request) -> None:
+        if self.policy == "priority":
+            self.add(request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][2] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[2] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return (e[2] for e in self._heap) if self.policy == "priority" else iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.policy = config.scheduling_policy
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_request(self, request_id: str) -> Request:
+        request = self.requests.pop(request_id)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_index: dict[str, int] = {}  # request id -> position in out
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # cannot happen for a healthy request; skip rather than spin
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = max(self.running, key=lambda r: r.sort_key(self.policy))
+                self._preempt(victim, out)
+                if victim.request_id in scheduled_index:
+                    budget += self._unschedule(victim, out, scheduled_index)
+                if victim is request:
+                    break
+                if self.running.index(request) < i:  # a victim before us shifted the list
+                    i -= 1
+            else:
+                scheduled_index[request.request_id] = len(out.requests)
+                out.requests.append(request)
+                out.num_scheduled_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        # Waiting requests join only when nothing was preempted: memory is tight otherwise.
+        if not out.preempted:
+            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting.peek()
+                hits, num_hit_tokens = [], 0
+                if request.num_computed_tokens == 0:
+                    hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if not self.config.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if self.kv.allocate_slots(request, num_new, hits) is None:
+                    break
+                self.waiting.pop()
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.requests.append(request)
+                out.num_scheduled_tokens.append(num_new)
+                budget -= num_new
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        out.preempted.append(request)
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput, index: dict[str, int]) -> int:
+        pos = index.pop(request.request_id)
+        num = out.num_scheduled_tokens[pos]
+        del out.requests[pos], out.num_scheduled_tokens[pos]
+        for rid, p in index.items():
+            if p > pos:
+                index[rid] = p - 1
+        return num
+
+    def update_from_output(
+        self, out: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance progress, append sampled tokens, finish requests that stop.
+        Returns (requests that got a token, requests that finished)."""
+        advanced: list[Request] = []
+        finished: list[Request] = []
+        for request, num, token in zip(
+            out.requests, out.num_scheduled_tokens, runner_output.sampled_token_ids
+        ):
+            request.num_computed_tokens += num
+            if token < 0:
+                continue
+            request.all_token_ids.append(token)
+            advanced.append(request)
+            if token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif request.num_tokens >= request.max_total_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            finished.append(request)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self.kv.free(request)
+                del self.requests[request.request_id]
+        return advanced, finished
