@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight models of several architectures, and engine invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 256
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+)
+
+# name -> (config class, model class, overrides). Each exercises something different.
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),  # window < prompts
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden/heads
+    "gemma2": (  # logit softcapping, alternating sliding-window layers, query_pre_attn_scalar scaling
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {"sliding_window": 20, "head_dim": 16, "query_pre_attn_scalar": 24,
+         "attn_logit_softcapping": 0.5, "final_logit_softcapping": 15.0},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 4}),  # fused qkv, MHA
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # norms after attention
+    "gpt_neox": (  # partial rotary, fused qkv, no GQA
+        "GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5, "num_key_value_heads": 4},
+    ),
+}
+
+
+def build_model(arch: str, dtype=torch.float32, seed: int = 0, **overrides) -> torch.nn.Module:
+    cfg_name, model_name, arch_overrides = ARCHITECTURES[arch]
+    kwargs = {**COMMON, **arch_overrides, **overrides}
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
+    # Random init gives near-uniform logits where argmax ties are a coin flip between two
+    # implementations; scaling the output head makes the greedy choice well separated.
+    # Sharper attention (larger q/k) makes the tests sensitive to masking, windows and softcaps.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+        for name, param in model.named_parameters():
+            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "qkv_proj.weight",
+                                       "query_key_value.weight")):
+                param.mul_(4.0)
+    return model
+
+
+@pytest.fixture
+def tiny_model():
+    return build_model
+
+
+def left_padded_batch(lengths: list[int], vocab: int = VOCAB, pad: int = 0, seed: int = 0):
+    """input_ids/attention_mask with left padding; tokens avoid pad/eos/bos ids."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    ids = torch.full((len(lengths), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(lengths), longest), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, longest - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, longest - n :] = 1
+    return ids, mask
+
+
+@pytest.fixture
+def batch_factory():
+    return left_padded_batch
