@@ -70,3 +70,22 @@ def left_padded_batch(lengths: list[int], vocab: int = VOCAB, pad: int = 0, seed
 @pytest.fixture
 def batch_factory():
     return left_padded_batch
+
+
+@pytest.fixture(autouse=True)
+def engine_invariants(monkeypatch):
+    """After every test, every Engine it built must have consistent block accounting, and an
+    engine with no unfinished requests must have every block free (no leaks)."""
+    from hf_paged.engine import Engine
+
+    built = []
+    original_init = Engine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", tracking_init)
+    yield
+    for engine in built:
+        engine.check_invariants()
