@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_paged.forward_context import AttentionMetadata, get_forward_context
+from hf_paged.forward_context import AttentionMetadata, get_forward_context, in_engine_step
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
@@ -23,6 +23,8 @@ class AttentionBackend:
     """write_kv + paged_attention over the contract in hf_paged.forward_context."""
 
     name = "base"
+    needs_host_metadata = False  # reads query_start_loc_host / seq_lens_host
+    graph_safe = False  # no host syncs or host-dependent control flow: CUDA-graph capturable
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         raise NotImplementedError
@@ -38,6 +40,7 @@ class TorchBackend(AttentionBackend):
     """Pure torch: the CPU path, and the reference the Triton kernels are tested against."""
 
     name = "torch"
+    needs_host_metadata = True  # loops over sequences on the host: not graph capturable
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         from hf_paged.kernels import write_kv_ref
@@ -54,6 +57,7 @@ class TritonBackend(AttentionBackend):
     """The Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1, for tests)."""
 
     name = "triton"
+    graph_safe = True
 
     def __init__(self) -> None:
         from hf_paged import kernels
@@ -95,8 +99,7 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    ctx = get_forward_context()
-    if ctx is None:  # not inside an engine step: behave exactly like transformers' sdpa
+    if not in_engine_step():  # a patched model called directly: exactly transformers' sdpa
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
             sliding_window=sliding_window, softcap=softcap, **kwargs,
@@ -106,29 +109,60 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
-    key_cache, value_cache = ctx.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    window = int(sliding_window) if sliding_window else 0
+    cap = float(softcap) if softcap else 0.0
+    if torch.compiler.is_compiling():
+        # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
+        out = torch.ops.hf_paged.paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
+    else:
+        out = _paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
+    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+def _paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+    sliding_window: int, softcap: float,
+) -> torch.Tensor:
+    """Write this step's K/V for one layer, then attend; [T, Hq, D] contiguous."""
+    ctx = get_forward_context()
+    key_cache, value_cache = ctx.kv_caches[layer_idx]
     if k.shape[1:] != key_cache.shape[2:]:
         raise ValueError(
             f"layer {layer_idx}: key heads/size {tuple(k.shape[1:])} do not match the KV cache "
             f"{tuple(key_cache.shape[2:])}"
         )
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
     backend = ctx.backend
     backend.write_kv(k, v, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
     out = backend.paged_attention(
-        q, key_cache, value_cache, ctx.attn_metadata, scaling,
-        sliding_window if sliding_window else None, softcap if softcap else None,
+        q, key_cache, value_cache, ctx.attn_metadata, scale, sliding_window or None, softcap or None
     )
-    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+    return out.contiguous()
+
+
+@torch.library.custom_op("hf_paged::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+    sliding_window: int, softcap: float,
+) -> torch.Tensor:
+    # The KV-cache write is a side effect on tensors held by the forward context, not on the
+    # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
+    # the per-layer order.
+    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, layer_idx, scale, sliding_window, softcap):
+    return q.new_empty(q.shape)
 
 
 def paged_mask(*args, **kwargs):
     """Inside an engine step the block tables are the mask: build none. Outside, sdpa's mask."""
-    if get_forward_context() is not None:
+    if in_engine_step():
         return None
     return sdpa_mask(*args, **kwargs)
 

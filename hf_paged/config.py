@@ -23,6 +23,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    # CUDA only: capture the whole forward of pure-decode batches per batch-size bucket
+    cuda_graphs: bool = True
+    max_graph_batch_size: int = 512  # buckets 1, 2, 4, 8, 16, 32, 48, ... up to this
+    # torch.compile (inductor) of the model forward; None: on for CUDA, off on CPU
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
@@ -35,6 +40,7 @@ class EngineConfig:
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_model_len", self.max_model_len)
         positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        positive("max_graph_batch_size", self.max_graph_batch_size)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"

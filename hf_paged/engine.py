@@ -120,6 +120,7 @@ class Engine:
         if request_id not in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
         self.scheduler.abort_request(request_id)
+        self.runner.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -133,10 +134,14 @@ class Engine:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
+        for r in sched.preempted:
+            self.runner.release(r.request_id)
         used = self.kv.num_blocks - self.kv.get_num_free_blocks()
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         runner_out = self.runner.execute(sched, self.kv)
-        advanced, _ = self.scheduler.update_from_output(sched, runner_out)
+        advanced, finished = self.scheduler.update_from_output(sched, runner_out)
+        for r in finished:
+            self.runner.release(r.request_id)
         self.num_steps += 1
         now = time.perf_counter()
         outputs = []

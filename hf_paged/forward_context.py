@@ -51,17 +51,25 @@ class ForwardContext:
 
 
 _CONTEXT: ForwardContext | None = None
+# A plain bool beside the context: torch.compile guards on its value (one compiled graph for engine
+# steps) instead of on the identity of the per-step context object (a recompile every step).
+_ACTIVE = False
 
 
 def get_forward_context() -> ForwardContext | None:
     return _CONTEXT
 
 
+def in_engine_step() -> bool:
+    return _ACTIVE
+
+
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _CONTEXT
+    global _CONTEXT, _ACTIVE
     prev, _CONTEXT = _CONTEXT, ctx
+    prev_active, _ACTIVE = _ACTIVE, True
     try:
         yield ctx
     finally:
-        _CONTEXT = prev
+        _CONTEXT, _ACTIVE = prev, prev_active

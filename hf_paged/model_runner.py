@@ -9,6 +9,8 @@ that asked for prompt log-probs, at every prompt position).
 from __future__ import annotations
 
 import inspect
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,6 +18,7 @@ import torch
 from hf_paged.attention import make_backend
 from hf_paged.config import EngineConfig
 from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.input_batch import InputBatch
 from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.request import Request
 from hf_paged.sampler import Sampler
@@ -48,6 +51,24 @@ class KVCacheSpec:
         ]
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flat batch on the host (numpy), before it is copied to the device."""
+
+    rows: np.ndarray  # int64 [num_seqs], InputBatch rows
+    starts: np.ndarray  # int64 [num_seqs], num_computed_tokens before the step
+    num_sched: np.ndarray  # int64 [num_seqs]
+    seq_lens: np.ndarray  # int64 [num_seqs]
+    qsl: np.ndarray  # int64 [num_seqs + 1]
+    total_tokens: np.ndarray  # int64 [num_seqs], request.num_tokens
+    positions: np.ndarray  # int64 [num_tokens]
+    input_ids: np.ndarray  # int64 [num_tokens]
+    slot_mapping: np.ndarray  # int64 [num_tokens]
+    max_blocks: int
+    decode_only: bool
+    any_logprobs: bool
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.model = model
@@ -66,8 +87,28 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        use_compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        # The token dimension varies every step: compile it dynamic once instead of recompiling
+        # per length. Attention is an opaque custom op inside the compiled graph (attention.py).
+        self._model_forward = (
+            torch.compile(model, dynamic=True, fullgraph=False) if use_compile else model
+        )
+        self.compiled = use_compile
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size,
+            pin=self.device.type == "cuda",
+        )
+        self.graphs = None
+        self.graph_capture_seconds = 0.0
+        if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
+            from hf_paged.cuda_graphs import CudaGraphRunner
+
+            t0 = time.perf_counter()
+            self.graphs = CudaGraphRunner(self)
+            self.graphs.capture()
+            self.graph_capture_seconds = time.perf_counter() - t0
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -120,74 +161,122 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
         if self._logits_to_keep:
-            out = self.model(
+            out = self._model_forward(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                 logits_to_keep=keep,
             )
             return out.logits[0]
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        out = self._model_forward(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+        )
         return out.logits[0, keep]
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+    def release(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted or preempted): free its row."""
+        self.input_batch.release(request_id)
+
+    def _prepare_inputs(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+        """Gather the step's flat batch from the persistent rows: one short loop over requests
+        (row lookup, progress, new block ids), everything per token vectorised."""
+        ib = self.input_batch
         requests = sched.requests
-        num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         num_seqs = len(requests)
-        bs = self.block_size
-        starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        total_tokens = np.empty(num_seqs, dtype=np.int64)
+        any_logprobs = False
+        for i, r in enumerate(requests):
+            row = ib.row_of(r)
+            rows[i] = row
+            starts[i] = r.num_computed_tokens
+            total_tokens[i] = r.num_tokens
+            ib.sync_blocks(row, kv.get_block_ids(r.request_id))
+            any_logprobs |= r.sampling_params.prompt_logprobs
+        num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         seq_lens = starts + num_sched
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
         num_tokens = int(qsl[-1])
         seq_of_token = np.repeat(np.arange(num_seqs), num_sched)
         positions = np.arange(num_tokens) - qsl[seq_of_token] + starts[seq_of_token]
+        row_of_token = rows[seq_of_token]
+        bs = self.block_size
+        return StepInputs(
+            rows=rows, starts=starts, num_sched=num_sched, seq_lens=seq_lens, qsl=qsl,
+            total_tokens=total_tokens, positions=positions,
+            input_ids=ib.token_ids[row_of_token, positions],
+            slot_mapping=ib.block_table[row_of_token, positions // bs].astype(np.int64) * bs
+            + positions % bs,
+            max_blocks=int(ib.num_blocks[rows].max()),
+            decode_only=num_tokens == num_seqs,
+            any_logprobs=any_logprobs,
+        )
 
-        input_ids: list[int] = []
-        block_lists = []
-        for r, s, n in zip(requests, starts.tolist(), sched.num_scheduled_tokens):
-            input_ids.extend(r.all_token_ids[s : s + n])
-            block_lists.append(kv.get_block_ids(r.request_id))
-        max_blocks = max(len(b) for b in block_lists)
-        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, blocks in enumerate(block_lists):
-            block_table[i, : len(blocks)] = blocks
-        slot_mapping = block_table[seq_of_token, positions // bs] * bs + positions % bs
+    def _metadata(self, step: StepInputs) -> AttentionMetadata:
+        dev = self.device
+        table = self.input_batch.block_table_t[torch.from_numpy(step.rows), : step.max_blocks]
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(step.qsl.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_table=table.to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
+            max_query_len=int(step.num_sched.max()),
+            max_seq_len=int(step.seq_lens.max()),
+            query_start_loc_host=step.qsl.tolist() if self.backend.needs_host_metadata else None,
+            seq_lens_host=step.seq_lens.tolist() if self.backend.needs_host_metadata else None,
+        )
+
+    def _forward_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Forward with logits for every token (decode batches, where every token samples)."""
+        out = self._model_forward(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+        )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        requests = sched.requests
+        num_seqs = len(requests)
+        step = self._prepare_inputs(sched, kv)
+        starts, seq_lens, qsl = step.starts, step.seq_lens, step.qsl
+        num_tokens = int(qsl[-1])
 
         # Which rows of logits to compute: the last token of requests that reach the end of their
         # known tokens (they sample), plus every prompt position of prompt-logprob requests.
-        sample_rows: list[int] = []  # index into requests
-        sample_keep: list[int] = []  # their row in `keep`
-        keep: list[int] = []
         logprob_spans: list[tuple[Request, int, int, int]] = []  # (req, first pos, count, keep offset)
-        for i, r in enumerate(requests):
-            start, end = int(starts[i]), int(seq_lens[i])
-            if r.sampling_params.prompt_logprobs and start < r.num_prompt_tokens - 1:
-                last = min(end, r.num_prompt_tokens - 1)  # positions start..last-1 predict a prompt token
-                logprob_spans.append((r, start, last - start, len(keep)))
-                keep.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
-            if end == r.num_tokens:
-                sample_rows.append(i)
-                sample_keep.append(len(keep))
-                keep.append(int(qsl[i + 1]) - 1)
+        if not step.any_logprobs:
+            sample_idx = np.flatnonzero(seq_lens == step.total_tokens)
+            sample_rows = sample_idx.tolist()
+            keep = (qsl[sample_idx + 1] - 1).tolist()
+            sample_keep = list(range(len(keep)))
+        else:
+            sample_rows, sample_keep, keep = [], [], []
+            for i, r in enumerate(requests):
+                start, end = int(starts[i]), int(seq_lens[i])
+                if r.sampling_params.prompt_logprobs and start < r.num_prompt_tokens - 1:
+                    last = min(end, r.num_prompt_tokens - 1)  # start..last-1 predict prompt tokens
+                    logprob_spans.append((r, start, last - start, len(keep)))
+                    keep.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
+                if end == r.num_tokens:
+                    sample_rows.append(i)
+                    sample_keep.append(len(keep))
+                    keep.append(int(qsl[i + 1]) - 1)
         if not keep:
             keep.append(num_tokens - 1)  # the forward still writes K/V; its logits are unused
 
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(block_table.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(positions).to(dev)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
-            logits = self._forward(ids_t, pos_t, keep_t)
+        if (
+            self.graphs is not None and step.decode_only and len(sample_rows) == num_seqs
+            and num_seqs <= self.graphs.max_batch_size
+        ):
+            logits = self.graphs.run(step)  # every row samples: logits for all, in order
+        else:
+            meta = self._metadata(step)
+            ids_t = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+            pos_t = torch.from_numpy(step.positions).to(dev, non_blocking=True)
+            keep_t = torch.tensor(keep, dtype=torch.long).to(dev, non_blocking=True)
+            with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+                logits = self._forward(ids_t, pos_t, keep_t)
 
         for r, first, count, offset in logprob_spans:
             rows = logits[offset : offset + count].float().log_softmax(-1)
@@ -206,6 +295,9 @@ class ModelRunner:
             tokens = self.sampler(rows_logits, [requests[i] for i in sample_rows]).tolist()
             for i, t in zip(sample_rows, tokens):
                 sampled[i] = t
+            # the sampled token is the next input of its request: write it into the request's row
+            idx = np.asarray(sample_rows)
+            self.input_batch.token_ids[step.rows[idx], seq_lens[idx]] = tokens
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
