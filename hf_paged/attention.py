@@ -106,6 +106,7 @@ def paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"paged attention expects the flat batch as one row, got {query.shape}")
+    _refuse_unsupported(module, kwargs)
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
@@ -122,6 +123,25 @@ def paged_attention_forward(
     else:
         out = _paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+# Arguments some architectures pass that change attention's meaning; paged attention here is causal
+# softmax attention only, so these are refused rather than silently dropped.
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "indices", "block_indices")
+
+
+def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
+    if kwargs.get("is_causal") is False:
+        raise ValueError(
+            f"{type(module).__name__}: non-causal (bidirectional) attention is not supported by "
+            "hf_paged"
+        )
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__}: attention argument {name!r} (e.g. attention sinks or "
+                "position bias) is not supported by hf_paged"
+            )
 
 
 def _paged_attention(

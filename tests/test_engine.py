@@ -230,3 +230,14 @@ def test_patched_model_forward_outside_the_engine_is_plain_transformers(tiny_mod
         out = model(input_ids=ids, attention_mask=mask).logits
         hf_paged.unpatch(model)
     torch.testing.assert_close(out, ref)
+
+
+def test_attention_arguments_that_change_semantics_are_refused(tiny_model):
+    from hf_paged.attention import _refuse_unsupported
+
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="bidirectional"):
+        _refuse_unsupported(module, {"is_causal": False})
+    with pytest.raises(ValueError, match="s_aux"):
+        _refuse_unsupported(module, {"s_aux": torch.zeros(2)})
+    _refuse_unsupported(module, {"is_causal": True, "position_ids": torch.zeros(1)})

@@ -1,0 +1,121 @@
+"""Ladder step 4 (GPU only, `pytest -m gpu` on the H200): the engine at real head shapes.
+
+TinyLlama-1.1B attention/MLP shapes (hidden 2048, 32 q heads, 4 kv heads, head 64) with fewer
+layers, random weights. Identity checks run in float32, where two correct implementations agree
+to ~1e-6 and greedy tokens must match exactly; bf16 agreement is reported as a rate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(
+    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+    pad_token_id=0, eos_token_id=1, bos_token_id=2,
+)
+
+
+def _model(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(dtype).eval()
+    with torch.no_grad():  # separate greedy choices (random logits are near-uniform)
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def _batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    ids = torch.zeros((len(lengths), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, longest - n :] = torch.randint(3, 32000, (n,), generator=g)
+        mask[i, longest - n :] = 1
+    return ids.cuda(), mask.cuda()
+
+
+LENGTHS = [1, 17, 64, 100, 257, 500, 33, 1000] * 2
+
+
+def _generate(model, ids, mask, new=48, **options):
+    hf_paged.patch(model, **options)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new)
+        hf_paged.get_engine(model).check_invariants()
+        return out
+    finally:
+        hf_paged.unpatch(model)
+
+
+def test_triton_backend_matches_transformers_fp32():
+    model = _model(torch.float32)
+    ids, mask = _batch(LENGTHS)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    out = _generate(model, ids, mask, attention_backend="triton", compile=False, cuda_graphs=False)
+    assert torch.equal(out, ref)
+
+
+def test_graph_replay_and_compile_change_no_greedy_output_fp32():
+    model = _model(torch.float32)
+    ids, mask = _batch(LENGTHS, seed=1)
+    eager = _generate(model, ids, mask, compile=False, cuda_graphs=False)
+    graphs = _generate(model, ids, mask, compile=False, cuda_graphs=True)
+    both = _generate(model, ids, mask, compile=True, cuda_graphs=True)
+    assert torch.equal(graphs, eager)
+    assert torch.equal(both, eager)
+
+
+def test_graphs_used_for_decode_steps():
+    model = _model(torch.bfloat16)
+    ids, mask = _batch([5, 9, 30], seed=2)
+    hf_paged.patch(model, compile=False, cuda_graphs=True, max_num_seqs=64)
+    try:
+        engine = hf_paged.get_engine(model)
+        assert engine.runner.graphs is not None
+        assert engine.runner.graphs.buckets[:4] == [1, 2, 4, 8]
+        calls = []
+        real_run = engine.runner.graphs.run
+        engine.runner.graphs.run = lambda step: calls.append(len(step.rows)) or real_run(step)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+        assert calls and all(c == 3 for c in calls)  # every decode step replayed a graph
+    finally:
+        hf_paged.unpatch(model)
+
+
+def test_bf16_agreement_with_transformers_and_torch_backend():
+    model = _model(torch.bfloat16)
+    ids, mask = _batch(LENGTHS, seed=3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    tri = _generate(model, ids, mask)
+    torch_b = _generate(model, ids, mask, attention_backend="torch", compile=False)
+    new = slice(ids.shape[1], None)
+    rate_hf = (tri[:, new] == ref[:, new]).all(dim=1).float().mean().item()
+    rate_torch = (tri[:, new] == torch_b[:, new]).all(dim=1).float().mean().item()
+    print(f"bf16 identical sequences: vs transformers {rate_hf:.0%}, vs torch backend {rate_torch:.0%}")
+    # bf16 ties may break differently late in a sequence; a systematic bug diverges everywhere
+    first_tokens_equal = (tri[:, ids.shape[1]] == ref[:, ids.shape[1]]).float().mean().item()
+    assert first_tokens_equal >= 0.9
+    assert rate_hf >= 0.5 and rate_torch >= 0.5
+
+
+def test_cuda_kv_cache_sized_from_memory():
+    model = _model(torch.bfloat16)
+    hf_paged.patch(model, gpu_memory_utilization=0.5, cuda_graphs=False, compile=False)
+    try:
+        engine = hf_paged.get_engine(model)
+        free, total = torch.cuda.mem_get_info()
+        kv_bytes = engine.runner.spec.bytes_per_block * engine.kv.num_blocks
+        assert engine.kv.num_blocks > 1000
+        assert torch.cuda.memory_allocated() <= 0.5 * total * 1.02
+        assert kv_bytes > 0.2 * total
+    finally:
+        hf_paged.unpatch(model)
