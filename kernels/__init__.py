@@ -2,9 +2,13 @@
 
 Never import this directory as a top-level `kernels`: that name belongs to a PyPI package that
 transformers probes for hub kernels.
+
+Importing is cheap and needs no GPU: @triton.jit only records the functions; compilation happens
+at the first launch. For CPU tests set TRITON_INTERPRET=1 before importing (Triton reads it when
+the kernels are decorated).
 """
 
-from .kv_write import write_kv_ref
-from .paged_attention import paged_attention_ref
+from .kv_write import write_kv, write_kv_ref
+from .paged_attention import paged_attention, paged_attention_ref
 
-__all__ = ["paged_attention_ref", "write_kv_ref"]
+__all__ = ["paged_attention", "paged_attention_ref", "write_kv", "write_kv_ref"]

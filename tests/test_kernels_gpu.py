@@ -1,0 +1,196 @@
+"""Kernel checks at real shapes on a CUDA GPU (`pytest -m gpu tests/test_kernels_gpu.py`).
+
+Not run in CI (no GPU there). Llama-3-8B attention heads (32 q, 8 kv, head_dim 128) in bf16 and
+fp16, contexts to 8k+ and 32k, mixed batches, and a cache large enough that block_id * block
+stride passes 2^31 elements (int64 addressing). Every output is NaN-poisoned before the call and
+the cache is NaN outside the written context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hf_paged.kernels import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from hf_paged.kernels.kv_write import interpreting
+
+from hf_paged.forward_context import AttentionMetadata
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HQ, HKV, D = 32, 8, 128
+# (atol, rtol) against the float32 reference; relative-norm bound
+TOL = {torch.bfloat16: (2e-2, 2e-2, 1e-2), torch.float16: (3e-3, 5e-3, 2e-3)}
+
+
+def build(q_lens, seq_lens, dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=16,
+          num_blocks=None, high_block_ids=False, seed=0):
+    """Paged batch on the GPU; the context is written with write_kv (so write_kv is exercised at
+    real sizes too), the rest of the cache is NaN."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    needed = sum(blocks_per_seq)
+    num_blocks = num_blocks or needed + 7
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.empty(shape, device="cuda", dtype=dtype)
+    value_cache = torch.empty(shape, device="cuda", dtype=dtype)
+    if high_block_ids:
+        ids = num_blocks - needed + torch.randperm(needed, device="cuda", generator=g)
+        # poison only the touched region: filling a multi-GB cache would cost seconds
+        key_cache[num_blocks - needed - 1 :].fill_(float("nan"))
+        value_cache[num_blocks - needed - 1 :].fill_(float("nan"))
+    else:
+        ids = torch.randperm(num_blocks, device="cuda", generator=g)[:needed]
+        key_cache.fill_(float("nan"))
+        value_cache.fill_(float("nan"))
+    max_blocks = max(blocks_per_seq) + 1
+    block_table = torch.full((len(seq_lens), max_blocks), 2**30, dtype=torch.int32,
+                             device="cuda")
+    slots = []
+    pos = 0
+    for i, (n, s) in enumerate(zip(blocks_per_seq, seq_lens)):
+        block_table[i, :n] = ids[pos : pos + n].int()
+        pos += n
+        tok = torch.arange(s, device="cuda")
+        slots.append(block_table[i, tok // block_size].long() * block_size + tok % block_size)
+    slots = torch.cat(slots)
+    k = torch.randn(len(slots), num_kv_heads, head_dim, device="cuda", generator=g).to(dtype)
+    v = torch.randn(len(slots), num_kv_heads, head_dim, device="cuda", generator=g).to(dtype)
+    write_kv(k, v, key_cache, value_cache, slots)
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_q_heads, head_dim, device="cuda", generator=g).to(dtype)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_table=block_table,
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device="cuda"),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_host=qsl,
+        seq_lens_host=list(seq_lens),
+    )
+    return query, key_cache, value_cache, meta
+
+
+def check(query, key_cache, value_cache, meta, dtype, sliding_window=None, softcap=None,
+          num_kv_splits=None):
+    scale = query.shape[-1] ** -0.5
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap, out=out,
+                    num_kv_splits=num_kv_splits)
+    ref = paged_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element or NaN leak)"
+    atol, rtol, rel = TOL[dtype]
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < rel, f"relative error {err:.2e}"
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def test_compiled_not_interpreted():
+    assert not interpreting()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_batch_64_to_8k(dtype):
+    g = torch.Generator().manual_seed(1)
+    seq_lens = torch.randint(1, 8300, (64,), generator=g).tolist()
+    check(*build([1] * 64, seq_lens, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_prefill_chunks_and_decodes(dtype):
+    q_lens = [2048, 1000, 512, 3] + [1] * 32
+    seq_lens = [5120, 1000, 8192, 700] + [257 * i + 1 for i in range(32)]
+    check(*build(q_lens, seq_lens, dtype), dtype)
+
+
+def test_prefill_8k_single_sequence():
+    check(*build([8192], [8192], torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_kv_splits", [None, 16])
+def test_long_context_split_kv(num_kv_splits):
+    check(*build([1, 1], [32768, 20000], torch.bfloat16), torch.bfloat16,
+          num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_and_softcap(dtype):
+    q_lens = [1024, 1, 1, 7]
+    seq_lens = [6000, 9000, 100, 4100]
+    batch = build(q_lens, seq_lens, dtype)
+    check(*batch, dtype, sliding_window=4096)
+    check(*batch, dtype, softcap=30.0)
+    check(*batch, dtype, sliding_window=1000, softcap=50.0, num_kv_splits=8)
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size",
+    [(8, 8, 64, 16), (28, 4, 128, 32), (14, 2, 64, 64), (32, 4, 80, 16), (12, 12, 96, 32),
+     (16, 8, 256, 16), (32, 32, 128, 16)],
+)
+def test_head_configs(num_q_heads, num_kv_heads, head_dim, block_size):
+    q_lens = [700, 1, 1, 64]
+    seq_lens = [900, 3000, 17, 64]
+    kw = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+          "block_size": block_size}
+    check(*build(q_lens, seq_lens, torch.bfloat16, **kw), torch.bfloat16)
+    decode = build([1] * 8, [5000] * 8, torch.float16, **kw)
+    check(*decode, torch.float16)
+
+
+def test_large_cache_int64_addressing():
+    # block stride 16 * 8 * 128 = 16384 elements: ids >= 131072 put block_id * stride past 2^31.
+    num_blocks = 140_000  # 2 x 4.6 GB in bf16
+    if torch.cuda.mem_get_info()[0] < 12e9:
+        pytest.skip("needs ~10 GB free")
+    q_lens = [300, 1, 1]
+    seq_lens = [4000, 8000, 33]
+    batch = build(q_lens, seq_lens, torch.bfloat16, num_blocks=num_blocks, high_block_ids=True)
+    assert int(batch[3].block_table[:, 0].min()) * 16 * HKV * D > 2**31
+    check(*batch, torch.bfloat16)
+    check(*batch, torch.bfloat16, num_kv_splits=4)
+    del batch
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_write_kv_real_shapes(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks, num_tokens = 4096, 8192
+    kc = torch.randn(num_blocks, 16, HKV, D, device="cuda", generator=g).to(dtype)
+    vc = torch.randn_like(kc)
+    key = torch.randn(num_tokens, HKV, D, device="cuda", generator=g)  # float32 -> cast
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * 16, device="cuda", generator=g)[:num_tokens]
+    slots[::5] = -1
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv(key, value, kc, vc, slots)
+    write_kv_ref(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_write_kv_large_cache_high_slots():
+    num_blocks = 140_000
+    if torch.cuda.mem_get_info()[0] < 12e9:
+        pytest.skip("needs ~10 GB free")
+    kc = torch.zeros(num_blocks, 16, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    key = torch.randn(64, HKV, D, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    slots = torch.arange(num_blocks * 16 - 64, num_blocks * 16, device="cuda")
+    write_kv(key, value, kc, vc, slots)
+    assert torch.equal(kc[-4:].reshape(64, HKV, D), key)
+    assert torch.equal(vc[-4:].reshape(64, HKV, D), value)
+    assert int(torch.count_nonzero(kc[:-4])) == 0
