@@ -23,7 +23,6 @@ class AttentionBackend:
     """write_kv + paged_attention over the contract in hf_paged.forward_context."""
 
     name = "base"
-    needs_host_metadata = False  # reads query_start_loc_host / seq_lens_host
     graph_safe = False  # no host syncs or host-dependent control flow: CUDA-graph capturable
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -40,7 +39,7 @@ class TorchBackend(AttentionBackend):
     """Pure torch: the CPU path, and the reference the Triton kernels are tested against."""
 
     name = "torch"
-    needs_host_metadata = True  # loops over sequences on the host: not graph capturable
+    # loops over sequences with host ints: not CUDA-graph capturable (graph_safe stays False)
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         from hf_paged.kernels import write_kv_ref
