@@ -222,8 +222,10 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
             max_query_len=int(step.num_sched.max()),
             max_seq_len=int(step.seq_lens.max()),
-            query_start_loc_host=step.qsl.tolist() if self.backend.needs_host_metadata else None,
-            seq_lens_host=step.seq_lens.tolist() if self.backend.needs_host_metadata else None,
+            # host copies: the torch backend loops over them; the Triton wrapper uses them to skip
+            # its decode launch when a batch has no short queries
+            query_start_loc_host=step.qsl.tolist(),
+            seq_lens_host=step.seq_lens.tolist(),
         )
 
     def _forward_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
