@@ -8,11 +8,15 @@
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine import Engine
+from hf_paged.integrations.pipeline import install as _install_pipeline_backend
 from hf_paged.patching import get_engine, patch, unpatch
+from hf_paged.pipelines import pipeline
 from hf_paged.request import RequestOutput
 from hf_paged.sampling_params import SamplingParams
 
 __all__ = [
-    "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "get_engine", "patch", "unpatch",
+    "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "get_engine", "patch", "pipeline",
+    "unpatch",
 ]
+_install_pipeline_backend()  # transformers.pipeline(..., backend="paged"); no backend: unchanged
 __version__ = "0.1.0"

@@ -89,7 +89,7 @@ class CudaGraphRunner:
         self.seq_lens[:batch].copy_(
             torch.from_numpy(step.seq_lens.astype(np.int32)), non_blocking=True
         )
-        table = self.runner.input_batch.block_table_t[torch.from_numpy(step.rows), : step.max_blocks]
+        table = torch.from_numpy(self.runner.input_batch.block_table[step.rows, : step.max_blocks])
         self.block_table[:batch, : step.max_blocks].copy_(table.to(dev, non_blocking=True))
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)

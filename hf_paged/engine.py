@@ -20,6 +20,8 @@ from hf_paged.model_runner import ModelRunner
 from hf_paged.request import Request, RequestOutput
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.scheduler import Scheduler
+from hf_paged.stop_checker import build_stop_checkers
+from hf_paged.streaming import RequestStream
 
 
 class Engine:
@@ -50,6 +52,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self._beam_groups: set = set()  # hf_paged.beam_search groups in flight
         self.peak_blocks_used = 0
 
     # -- requests --------------------------------------------------------------------------------
@@ -70,6 +73,8 @@ class Engine:
         request_id = str(request_id)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} already exists")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({self.config.max_num_seqs})")
         prompt_ids = self._prompt_token_ids(prompt)
         n = len(prompt_ids)
         cfg = self.config
@@ -87,15 +92,32 @@ class Engine:
         eos = params.eos_token_id if params.eos_token_id is not None else self.default_eos_token_ids
         stop = set() if params.ignore_eos else set(eos)
         stop.update(params.stop_token_ids or ())
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        request = Request(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-            eos_token_ids=frozenset(stop), max_total_tokens=max_total, priority=priority,
-            arrival_index=next(self._arrivals), generator=generator,
-        )
-        self.scheduler.add_request(request)
+        _check_vocab(params, self.vocab_size)
+        stop_checkers = build_stop_checkers(params, self.tokenizer)
+        siblings = []
+        for index in range(params.n):
+            rid = request_id if index == 0 else f"{request_id}#{index}"
+            if rid in self.scheduler.requests:
+                raise ValueError(f"request_id {rid!r} already exists")
+            generator = None
+            if params.seed is not None:  # sibling k: its own stream, derived from the seed
+                seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
+                generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            request = Request(
+                request_id=rid, prompt_token_ids=prompt_ids, sampling_params=params,
+                eos_token_ids=frozenset(stop), max_total_tokens=max_total, priority=priority,
+                arrival_index=next(self._arrivals), generator=generator,
+                sibling_index=index, parent_request_id=None if index == 0 else request_id,
+                stop_checkers=list(stop_checkers) if stop_checkers else None,
+            )
+            set_bans(request, eos)
+            siblings.append(request)
+        parent = siblings[0]
+        if params.n > 1:
+            parent.pending_siblings = siblings[1:]
+            for sibling in siblings[1:]:  # known to the scheduler, queued nowhere until the fork
+                self.scheduler.requests[sibling.request_id] = sibling
+        self.scheduler.add_request(parent)
         return request_id
 
     def _prompt_token_ids(self, prompt) -> list[int]:
@@ -136,10 +158,19 @@ class Engine:
             return []
         for r in sched.preempted:
             self.runner.release(r.request_id)
+        copies, changed = self.kv.take_block_changes()
+        for rid in changed:  # forked or copied-on-write: rebuild the runner's row
+            self.runner.release(rid)
+        if copies:
+            self.runner.copy_blocks(copies)
         used = self.kv.num_blocks - self.kv.get_num_free_blocks()
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         runner_out = self.runner.execute(sched, self.kv)
         advanced, finished = self.scheduler.update_from_output(sched, runner_out)
+        if self._beam_groups:  # groups whose beams all have their logits take a beam step
+            for group in [g for g in self._beam_groups if g.ready()]:
+                group.step()
+            self._beam_groups = {g for g in self._beam_groups if not g.done}
         for r in finished:
             self.runner.release(r.request_id)
         self.num_steps += 1
@@ -159,42 +190,55 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion through continuous batching; outputs in input order."""
+        """Run every prompt to completion through continuous batching; outputs in input order.
+        A prompt with n > 1 gives n consecutive outputs (index 0..n-1)."""
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        with self.stream(prompts, params) as stream:
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(stream.request_ids), desc="hf_paged", unit="req")
+            try:
+                for out in stream:
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+            finally:
+                if bar is not None:
+                    bar.close()
+        missing = [rid for rid in stream.request_ids if rid not in final]
+        if missing:
+            raise RuntimeError(f"requests {missing[:5]} were aborted before they finished")
+        return [final[rid] for rid in stream.request_ids]
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> RequestStream:
+        """Queue every prompt and return an iterator that steps the engine and yields a
+        RequestOutput each time one of these requests gets a token (new_token_ids holds it;
+        finished=True on its last), many requests interleaved. `.request_ids` lists them in input
+        order (siblings of n > 1 after their first). Closing the iterator early aborts its
+        unfinished requests; bad input raises ValueError before anything is queued."""
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.add_request(prompt, p))
+                rid = self.add_request(prompt, p)
+                n = 1 if p is None else p.n
+                ids += [rid] + [f"{rid}#{k}" for k in range(1, n)]
         except ValueError:
             for rid in ids:
-                self.abort(rid)
-            raise
-        wanted = set(ids)
-        final: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="hf_paged", unit="req")
-        try:
-            while len(final) < len(ids):
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
-                        final[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-        except BaseException:
-            for rid in ids:
-                if rid not in final and rid in self.scheduler.requests:
+                if rid in self.scheduler.requests:
                     self.abort(rid)
             raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [final[rid] for rid in ids]
+        return RequestStream(self, ids)
 
     # -- introspection -----------------------------------------------------------------------------
 
@@ -224,8 +268,36 @@ class Engine:
             assert self.kv.get_num_free_blocks() == self.kv.num_blocks, "KV blocks leaked"
             assert not self.kv.req_to_blocks, "finished requests still hold blocks"
 
+    def shutdown(self) -> None:
+        """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the
+        garbage collector breaks the runner's reference cycles. The engine cannot step after."""
+        self.runner.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    for seq in params.bad_words_ids or ():
+        bad = [t for t in seq if t >= vocab_size]
+        if bad:  # as transformers' SequenceBiasLogitsProcessor
+            raise ValueError(f"bad_words_ids: token ids {bad} outside the vocabulary [0, {vocab_size})")
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab_size}")
+
+
+def set_bans(request: Request, eos: list[int]) -> None:
+    """Precompute the request's token bans: suppress_tokens and one-token bad words always, longer
+    bad words after their prefix. As in transformers, a bad word equal to [eos] is dropped."""
+    p = request.sampling_params
+    banned = list(p.suppress_tokens or ())
+    for seq in p.bad_words_ids or ():
+        if len(seq) == 1:
+            if seq[0] not in eos:
+                banned.append(seq[0])
+        else:
+            request.bad_word_prefixes.append((tuple(seq[:-1]), seq[-1]))
+    request.banned_token_ids = sorted(set(banned))
 
 
 def _make_output(r: Request, num_new: int) -> RequestOutput:
@@ -241,5 +313,10 @@ def _make_output(r: Request, num_new: int) -> RequestOutput:
         arrival_time=r.arrival_time,
         first_token_time=r.first_token_time,
         finish_time=r.finish_time,
+        logprobs=r.output_logprobs,
+        scores=r.output_scores,
+        logits=r.output_logits,
+        index=r.sibling_index,
+        parent_request_id=r.parent_request_id,
     )
 

@@ -3,76 +3,244 @@
 The whole batch enters continuous batching at once: each row's real tokens (the attention mask
 picks them, so left and right padding both work) become one request; outputs are gathered back
 into transformers' layout: [input_ids | new tokens], rows that stopped early padded with
-pad_token_id after their end-of-sequence token.
+pad_token_id after their end-of-sequence token. GenerationConfig maps onto SamplingParams
+field by field (sampling_params_from_config); anything the engine cannot honour is refused with a
+ValueError naming it, never ignored.
+
+Where the engine differs from transformers by construction: processors and stopping criteria see
+a row's own tokens (no padding columns), so options that read padding (no_repeat_ngram_size and
+multi-token bad_words_ids matching across left padding, a custom processor indexing columns)
+can differ on padded batches; scores/logits rows of steps after a row finished are filler
+(0 for pad_token_id, -inf elsewhere) where transformers computes them from the padding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.streaming import LockstepStreamer
 
-# generate() keyword arguments the engine does not implement yet: refused, never ignored.
+# generate() keyword arguments the engine does not implement: refused, never ignored.
 UNSUPPORTED_ARGS = (
-    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
-    "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
-    "custom_generate", "assistant_tokenizer", "tokenizer", "inputs_embeds",
+    "prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids",
+    "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer", "inputs_embeds",
 )
 # GenerationConfig fields the engine honours (or that do not change the output).
 SUPPORTED_FIELDS = {
-    "max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-    "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation",
-    "cache_config", "return_dict_in_generate", "compile_config", "disable_compile",
-    "transformers_version", "_from_model_config", "is_assistant",
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
+    "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
+    "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "renormalize_logits",
+    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "stop_strings",
+    "max_time", "num_return_sequences", "output_scores", "output_logits", "num_beams",
+    "length_penalty", "early_stopping", "use_cache", "cache_implementation", "cache_config",
+    "return_dict_in_generate", "compile_config", "disable_compile", "transformers_version",
+    "_from_model_config", "is_assistant",
+}
+# A user processor of one of these types replaces the built-in one (transformers' merge rule);
+# each is handled by the SamplingParams field named here, which is then switched off.
+BUILTIN_PROCESSORS = {
+    RepetitionPenaltyLogitsProcessor: "repetition_penalty",
+    NoRepeatNGramLogitsProcessor: "no_repeat_ngram_size",
+    NoBadWordsLogitsProcessor: "bad_words_ids",
+    MinLengthLogitsProcessor: "min_length",
+    # a custom MinNewTokensLengthLogitsProcessor adds to the built-in: transformers also keeps
+    # the MinLengthLogitsProcessor it derives from min_new_tokens, which bans the same steps
+    SuppressTokensLogitsProcessor: "suppress_tokens",
+    SuppressTokensAtBeginLogitsProcessor: "begin_suppress_tokens",
 }
 
 
 def _check_generation_config(gen: GenerationConfig) -> None:
     defaults = GenerationConfig._get_default_generation_params()
+    fresh = GenerationConfig().to_dict()
     for key, value in gen.to_dict().items():
         if key in SUPPORTED_FIELDS or value is None:
             continue
-        if key in defaults and value == defaults[key]:
+        same_as = [defaults[key]] if key in defaults else []
+        same_as += [fresh[key]] if key in fresh else []
+        if any(type(value) is type(d) and value == d for d in same_as) or value is False:
             continue
         if key.startswith("assistant") or key in ("num_assistant_tokens_schedule",):
-            continue  # only read when an assistant model is given, which is refused above
-        if value in (False, 0, 0.0, 1.0) and key not in defaults:
+            continue  # only read when an assistant model is given, which is refused
+        if key in ("epsilon_cutoff", "eta_cutoff", "diversity_penalty") and value == 0.0:
+            continue
+        if key in ("num_beam_groups",) and value == 1:
             continue
         raise ValueError(
-            f"generation option {key}={value!r} is not supported by hf_paged yet; "
+            f"generation option {key}={value!r} is not supported by hf_paged; "
             "unpatch the model (hf_paged.unpatch) to use transformers' own generate"
         )
 
 
-def sampling_params_from_config(gen: GenerationConfig, max_new_tokens: int) -> SamplingParams:
-    eos = gen.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    if gen.do_sample:
-        if gen.temperature is None or not gen.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature!r}")
-        return SamplingParams(
-            max_tokens=max_new_tokens, temperature=float(gen.temperature),
-            top_k=int(gen.top_k or 0), top_p=float(1.0 if gen.top_p is None else gen.top_p),
-            eos_token_id=eos,
-        )
-    return SamplingParams(max_tokens=max_new_tokens, temperature=0.0, eos_token_id=eos)
+def _eos_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(t) for t in eos.flatten().tolist()]
+    return [eos] if isinstance(eos, int) else [int(t) for t in eos]
 
 
-def paged_generate(model, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+def sampling_params_from_config(
+    gen: GenerationConfig,
+    max_new_tokens: int,
+    min_new_tokens: int = 0,
+    logits_processors: list | None = None,
+    stopping_criteria: list | None = None,
+) -> SamplingParams:
+    """One request's SamplingParams from a prepared GenerationConfig (lengths already per row).
+    Warpers apply only with do_sample, as in transformers; greedy is temperature 0."""
+    eos = _eos_list(gen.eos_token_id)
+    kwargs = dict(
+        max_tokens=max_new_tokens, min_tokens=max(min_new_tokens, 0), eos_token_id=eos,
+        repetition_penalty=float(gen.repetition_penalty or 1.0),
+        no_repeat_ngram_size=int(gen.no_repeat_ngram_size or 0),
+        bad_words_ids=gen.bad_words_ids, suppress_tokens=gen.suppress_tokens,
+        begin_suppress_tokens=gen.begin_suppress_tokens,
+        renormalize_logits=bool(gen.renormalize_logits),
+        output_scores=bool(gen.return_dict_in_generate and gen.output_scores),
+        output_logits=bool(gen.return_dict_in_generate and gen.output_logits),
+        logits_processors=logits_processors or None, stopping_criteria=stopping_criteria or None,
+        n=int(gen.num_return_sequences or 1) if (gen.num_beams or 1) == 1 else 1,
+    )
+    if not gen.do_sample:
+        return SamplingParams(temperature=0.0, **kwargs)
+    if gen.temperature is None or not gen.temperature > 0:
+        raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature!r}")
+    return SamplingParams(
+        temperature=float(gen.temperature), top_k=int(gen.top_k or 0),
+        top_p=float(1.0 if gen.top_p is None else gen.top_p),
+        min_p=float(gen.min_p or 0.0),
+        typical_p=float(1.0 if gen.typical_p is None else gen.typical_p),
+        **kwargs,
+    )
+
+
+def _merge_processors(gen: GenerationConfig, custom) -> list | None:
+    """transformers' merge rule: a custom processor of a built-in type replaces the built-in."""
+    if not custom:
+        return None
+    for proc in custom:
+        field = BUILTIN_PROCESSORS.get(type(proc))
+        if field is not None:
+            setattr(gen, field, None)
+    return list(custom)
+
+
+def _split_criteria(gen: GenerationConfig, custom, tokenizer) -> list:
+    """Per-request stopping criteria: max_time, stop strings and the user's list. A custom
+    MaxLengthCriteria or EosTokenCriteria replaces the built-in limit (transformers' merge rule)."""
+    criteria = []
+    custom = list(custom or [])
+    if any(isinstance(c, StopStringCriteria) for c in custom):
+        gen.stop_strings = None
+    for c in custom:
+        if isinstance(c, MaxLengthCriteria):
+            gen.max_length, gen.max_new_tokens = c.max_length, None
+        elif isinstance(c, EosTokenCriteria):
+            gen.eos_token_id = _eos_list(c.eos_token_id)
+        elif isinstance(c, MaxTimeCriteria):
+            gen.max_time = None
+            criteria.append(c)
+        else:
+            criteria.append(c)
+    if gen.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=gen.max_time))
+    if gen.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "stop_strings: matching stop strings needs the tokenizer; pass "
+                "generate(tokenizer=...) or hf_paged.patch(model, tokenizer)"
+            )
+        criteria.append(StopStringCriteria(tokenizer, gen.stop_strings))
+    return criteria
+
+
+@dataclass(slots=True)
+class GenerationPlan:
+    """What one generate() call's options resolve to, shared by every row it submits."""
+
+    gen: GenerationConfig
+    processors: list | None
+    criteria: list
+    streamer: object | None
+    has_default_max_length: bool
+    pad: int | None
+    eos: list[int]
+
+
+@dataclass(slots=True)
+class RowBatch:
+    """One [batch, length] input of a plan: its rows' prompts and per-row SamplingParams."""
+
+    input_ids: torch.Tensor
+    prompts: list[list[int]]
+    params: SamplingParams | None  # None for beam search
+    max_new: int
+    min_new: int
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.prompts) * (self.params.n if self.params is not None else 1)
+
+
+def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
     engine = model._hf_paged_engine
     for name in UNSUPPORTED_ARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"generate({name}=...) is not supported by hf_paged yet")
+            raise ValueError(f"generate({name}=...) is not supported by hf_paged")
         kwargs.pop(name, None)
-    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
-    attention_mask = kwargs.pop("attention_mask", None)
+    if kwargs.pop("synced_gpus", None):
+        raise ValueError("generate(synced_gpus=True) is not supported by hf_paged")
+    custom_processors = kwargs.pop("logits_processor", None)
+    custom_criteria = kwargs.pop("stopping_criteria", None)
+    streamer = kwargs.pop("streamer", None)
+    tokenizer = kwargs.pop("tokenizer", None) or engine.tokenizer
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
     gen, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
     if model_kwargs:
-        raise ValueError(f"generate: argument(s) {sorted(model_kwargs)} are not supported by hf_paged")
+        names = sorted(model_kwargs)
+        raise ValueError(f"generate: argument(s) {names} are not supported by hf_paged")
+    gen.validate()
     _check_generation_config(gen)
+    processors = _merge_processors(gen, custom_processors)
+    criteria = _split_criteria(gen, custom_criteria, tokenizer)
+    if any(isinstance(c, MaxLengthCriteria) for c in custom_criteria or ()):
+        has_default_max_length = False  # the custom limit counts the input, like max_length
+    if (gen.num_beams or 1) > 1 and streamer is not None:
+        raise ValueError("streamer cannot be used with beam search (as in transformers)")
+    eos = _eos_list(gen.eos_token_id)
+    pad = gen.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]  # as transformers does (it warns)
+    return GenerationPlan(gen, processors, criteria, streamer, has_default_max_length, pad, eos)
+
+
+def prepare_rows(model, plan: GenerationPlan, input_ids, attention_mask) -> RowBatch:
+    gen, pad = plan.gen, plan.pad
     if input_ids is None:
         raise ValueError("input_ids: generate needs input token ids")
     if input_ids.ndim == 1:
@@ -82,26 +250,29 @@ def paged_generate(model, inputs: torch.Tensor | None = None, generation_config=
     batch, length = input_ids.shape
     if gen.max_new_tokens is not None:
         max_new = gen.max_new_tokens
+    elif plan.has_default_max_length:  # transformers: 20 new tokens, within the position limit
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        max_new = gen.max_length if limit is None else min(gen.max_length, limit - length)
     else:
         max_new = gen.max_length - length
-        if max_new < 1:
-            raise ValueError(
-                f"max_length ({gen.max_length}) leaves no room after the {length}-token input; "
-                "set max_new_tokens"
-            )
-    eos = gen.eos_token_id
-    eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    pad = gen.pad_token_id
-    if pad is None and eos_list:
-        pad = eos_list[0]  # as transformers does (it warns)
+    if max_new < 1:
+        raise ValueError(
+            f"max_length ({gen.max_length}) leaves no room after the {length}-token input; "
+            "set max_new_tokens"
+        )
+    if gen.min_new_tokens is not None:
+        min_new = gen.min_new_tokens
+    else:
+        min_new = (gen.min_length or 0) - length  # min_length counts the (padded) input
     if attention_mask is None:
-        if pad is not None and pad not in eos_list and bool((input_ids == pad).any()):
+        if pad is not None and pad not in plan.eos and bool((input_ids == pad).any()):
             attention_mask = input_ids.ne(pad)
         else:
             attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}"
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids "
+            f"{tuple(input_ids.shape)}"
         )
     mask = attention_mask.bool().cpu()
     ids_cpu = input_ids.cpu()
@@ -109,16 +280,92 @@ def paged_generate(model, inputs: torch.Tensor | None = None, generation_config=
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"input_ids row {i} is empty (its attention_mask is all zeros)")
-    params = sampling_params_from_config(gen, max_new)
-    outputs = engine.generate(prompts, params)
+    params = None
+    if (gen.num_beams or 1) == 1:
+        params = sampling_params_from_config(gen, max_new, min_new, plan.processors, plan.criteria)
+    return RowBatch(input_ids, prompts, params, max_new, min_new)
 
-    longest = max(len(o.output_token_ids) for o in outputs)
+
+def paged_generate(model, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+    attention_mask = kwargs.pop("attention_mask", None)
+    return paged_generate_many(model, [(input_ids, attention_mask)], generation_config, **kwargs)[0]
+
+
+def paged_generate_many(model, inputs: list, generation_config=None, **kwargs) -> list:
+    """generate() for several (input_ids, attention_mask) inputs with the same options, all
+    submitted to the engine at once; returns what generate() returns for each input."""
+    engine = model._hf_paged_engine
+    plan = plan_generation(model, generation_config, kwargs)
+    batches = [prepare_rows(model, plan, ids, mask) for ids, mask in inputs]
+    if (plan.gen.num_beams or 1) > 1:
+        from hf_paged.beam_search import beam_generate
+
+        return beam_generate(engine, plan, batches)
+    prompts = [p for b in batches for p in b.prompts]
+    params = [b.params for b in batches for _ in b.prompts]
+    expanded = [
+        b.input_ids.repeat_interleave(b.params.n, dim=0) if b.params.n > 1 else b.input_ids
+        for b in batches
+    ]
+    if plan.streamer is not None:
+        if len(batches) != 1:
+            raise ValueError("streamer: one input per generate call")
+        outputs = _run_streaming(engine, prompts, params, plan.streamer, expanded[0], plan.pad)
+    else:
+        outputs = engine.generate(prompts, params)
+    results, start = [], 0
+    for b, ids in zip(batches, expanded):
+        outs = outputs[start : start + b.num_outputs]
+        start += b.num_outputs
+        results.append(_assemble(plan.gen, ids, [o.output_token_ids for o in outs], outs, plan.pad))
+    return results
+
+
+def _run_streaming(engine, prompts, params, streamer, expanded, pad):
+    final = {}
+    with engine.stream(prompts, params) as stream:
+        lockstep = LockstepStreamer(streamer, expanded, stream.request_ids, pad)
+        for out in stream:
+            lockstep.update(out)
+            if out.finished:
+                final[out.request_id] = out
+        lockstep.end()
+    return [final[rid] for rid in stream.request_ids]
+
+
+def _filler(vocab: int, pad: int | None, device) -> torch.Tensor:
+    row = torch.full((vocab,), float("-inf"), device=device)
+    row[0 if pad is None else pad] = 0.0
+    return row
+
+
+def _stack_steps(rows_per_seq: list[list[torch.Tensor]], steps: int, filler) -> tuple:
+    """Per-request lists of [V] rows -> transformers' tuple of [batch, V], one per step."""
+    return tuple(
+        torch.stack([rows[s] if s < len(rows) else filler for rows in rows_per_seq])
+        for s in range(steps)
+    )
+
+
+def _assemble(gen, input_ids, new_tokens: list[list[int]], outputs, pad):
+    batch = input_ids.shape[0]
+    longest = max(len(t) for t in new_tokens)
     new = torch.full((batch, longest), -1 if pad is None else pad, dtype=input_ids.dtype)
-    for i, o in enumerate(outputs):
-        new[i, : len(o.output_token_ids)] = torch.tensor(o.output_token_ids, dtype=input_ids.dtype)
+    for i, toks in enumerate(new_tokens):
+        new[i, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
     if pad is None and bool((new < 0).any()):
         raise RuntimeError("rows ended at different lengths but no pad_token_id is set")
     sequences = torch.cat([input_ids, new.to(input_ids.device)], dim=1)
-    if gen.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
-    return sequences
+    if not gen.return_dict_in_generate:
+        return sequences
+    scores = logits = None
+    if gen.output_scores or gen.output_logits:
+        sample = next((r[0] for o in outputs for r in (o.scores, o.logits) if r), None)
+        filler = _filler(sample.shape[-1], pad, sample.device) if sample is not None else None
+        if gen.output_scores:
+            scores = _stack_steps([o.scores or [] for o in outputs], longest, filler)
+        if gen.output_logits:
+            logits = _stack_steps([o.logits or [] for o in outputs], longest, filler)
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+

@@ -33,6 +33,11 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already published
         self.prefix_cache_stats = PrefixCacheStats()
+        # Copy-on-write of shared partial blocks (forked siblings and beams): (src, dst) block id
+        # pairs the runner must copy before the next forward, and the requests whose block list
+        # changed other than by appending (the runner rebuilds their block-table row).
+        self.pending_copies: list[tuple[int, int]] = []
+        self.changed_requests: set[str] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -97,8 +102,16 @@ class KVCacheManager:
         num_new_blocks = num_required - num_held - len(new_computed_blocks)
         # hits that sit in the free queue (ref_cnt 0) stop being free once we take them
         num_hits_from_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_hits_from_free > self.block_pool.get_num_free_blocks():
+        # the block the new tokens start writing into is shared (a fork): copy it first
+        cow = -1
+        if held and num_computed % self.block_size:
+            pos = num_computed // self.block_size
+            if pos < num_held and held[pos].ref_cnt > 1:
+                cow = pos
+        if num_new_blocks + num_hits_from_free + (cow >= 0) > self.block_pool.get_num_free_blocks():
             return None
+        if cow >= 0:
+            self._copy_on_write(request, cow)
         if held is None:
             held = self.req_to_blocks[rid] = []
             self.req_to_block_ids[rid] = []
@@ -130,6 +143,55 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[rid] = num_full
+
+    def _copy_on_write(self, request: Request, pos: int) -> None:
+        rid = request.request_id
+        held = self.req_to_blocks[rid]
+        old = held[pos]
+        new = self.block_pool.get_new_blocks(1)[0]
+        held[pos] = new
+        self.req_to_block_ids[rid][pos] = new.block_id
+        self.block_pool.free_blocks([old])  # still held by the other sharers
+        self.pending_copies.append((old.block_id, new.block_id))
+        self.changed_requests.add(rid)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give child the parent's blocks by reference (n > 1 siblings, beams). Full blocks are
+        shared for good; a shared partial last block is copied when either side writes to it."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.free(child)
+        self.block_pool.touch(blocks)
+        cid = child.request_id
+        self.req_to_blocks[cid] = list(blocks)
+        self.req_to_block_ids[cid] = [b.block_id for b in blocks]
+        num_cached = self.num_cached_blocks.get(parent.request_id, 0)
+        self.num_cached_blocks[cid] = num_cached
+        child.block_hashes = list(parent.block_hashes[:num_cached])
+        self.changed_requests.add(cid)
+
+    def reassign(self, requests: list[Request], sources: list[int]) -> None:
+        """Beam search: request j takes the blocks of requests[sources[j]] (as they were before
+        this call), by reference. Increments first, then decrements, so a block moving between
+        beams never reaches zero references in between."""
+        old = [list(self.req_to_blocks.get(r.request_id, [])) for r in requests]
+        cached = [self.num_cached_blocks.get(r.request_id, 0) for r in requests]
+        hashes = [list(r.block_hashes) for r in requests]
+        for src in sources:
+            self.block_pool.touch(old[src])
+        for blocks in old:
+            self.block_pool.free_blocks(reversed(blocks))
+        for r, src in zip(requests, sources):
+            rid = r.request_id
+            self.req_to_blocks[rid] = list(old[src])
+            self.req_to_block_ids[rid] = [b.block_id for b in old[src]]
+            self.num_cached_blocks[rid] = cached[src]
+            r.block_hashes = hashes[src][: cached[src]]
+            self.changed_requests.add(rid)
+
+    def take_block_changes(self) -> tuple[list[tuple[int, int]], set[str]]:
+        copies, changed = self.pending_copies, self.changed_requests
+        self.pending_copies, self.changed_requests = [], set()
+        return copies, changed
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so its tail is evicted before its prefix."""

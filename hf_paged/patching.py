@@ -29,6 +29,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
     if getattr(model, ENGINE_ATTR, None) is None:
         raise ValueError("model: this model is not patched by hf_paged")
+    getattr(model, ENGINE_ATTR).shutdown()
     delattr(model, ENGINE_ATTR)
     if "generate" in model.__dict__:
         del model.generate

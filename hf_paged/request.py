@@ -56,6 +56,25 @@ class Request:
     finish_time: float | None = None
     # hashes of this request's full blocks, computed incrementally (prefix caching)
     block_hashes: list = field(default_factory=list)
+    # -- generation options (hf_paged.logits_processing, hf_paged.stop_checker) --------------------
+    banned_token_ids: list[int] = field(default_factory=list)  # suppress_tokens + 1-token bad words
+    bad_word_prefixes: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    ban_mask: torch.Tensor | None = None  # banned_token_ids as a bool [V] row, built on first use
+    penalty_slot: int = -1  # row in the sampler's token-count pool (penalties); -1 = none yet
+    penalty_num_counted: int = 0  # output tokens already added to that row
+    ngram_index: dict | None = None  # (n-1)-gram -> tokens that followed it (no_repeat_ngram)
+    ngram_num_indexed: int = 0
+    stop_checkers: list | None = None  # stop-string and user stopping criteria, built at add
+    output_scores: list[torch.Tensor] | None = None  # processed scores row per new token
+    output_logits: list[torch.Tensor] | None = None  # raw logits row per new token
+    output_logprobs: list[dict[int, float]] | None = None  # {token: logprob} per new token
+    # n > 1: siblings wait (holding no blocks) until this request's prompt is computed, then fork
+    # its blocks by reference count and sample their first token from the same logits row
+    pending_siblings: list[Request] | None = None
+    sibling_index: int = 0
+    parent_request_id: str | None = None
+    beam: object | None = None  # hf_paged.beam_search group this request is a beam of
+    beam_logits: torch.Tensor | None = None  # its last logits row, waiting for the group's step
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -103,3 +122,8 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    logprobs: list[dict[int, float]] | None = None  # SamplingParams.logprobs: per new token
+    index: int = 0  # sibling index among the n samples of one prompt
+    scores: list[torch.Tensor] | None = None  # SamplingParams.output_scores: [V] per new token
+    logits: list[torch.Tensor] | None = None  # SamplingParams.output_logits: [V] per new token
+    parent_request_id: str | None = None  # the first sibling's id (None for it)

@@ -1,67 +1,164 @@
-"""Token selection for one step's batch of logits rows: greedy, temperature, top-k, top-p, seeds.
+"""Token selection for one step's batch of logits rows.
 
-The warpers follow transformers' definitions exactly (temperature, then top-k keeping ties with the
-k-th value, then top-p dropping the low tail whose cumulative probability is <= 1 - p), so sampling
-here draws from the same distribution as transformers' generate. A draw is argmax(probs / E) with
-E ~ Exponential(1) per vocabulary entry (an exact categorical sample); seeded requests draw E from
-their own generator, so their tokens do not depend on which other requests share the batch.
+Raw logits -> hf_paged.logits_processing (transformers' processors and warpers, per-row
+parameters) -> argmax for greedy rows, a categorical draw for sampling rows. A draw is
+argmax(probs / E) with E ~ Exponential(1) per vocabulary entry (an exact categorical sample);
+seeded requests draw E from their own generator, so their tokens do not depend on which other
+requests share the batch.
+
+What a request asked to keep is recorded on it here: the processed scores row (transformers'
+`scores`), the raw logits row (`logits`), and vLLM-style logprobs (the raw model distribution:
+the chosen token plus the top-n).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hf_paged.logits_processing import (  # noqa: F401  (apply_top_* re-exported for callers)
+    LogitsProcessor,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    apply_typical_p,
+)
 from hf_paged.request import Request
-
-
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """top_k: int [B], 0 = off. Keeps every logit >= the k-th largest (ties included)."""
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(-1, (k - 1).unsqueeze(-1))
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top_p: float [B], 1.0 = off. Same rule as transformers' TopPLogitsWarper."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cum_probs <= (1 - top_p).unsqueeze(-1)
-    remove[:, -1] = False  # always keep the most likely token
-    remove = remove.scatter(-1, sorted_idx, remove)
-    return logits.masked_fill(remove, float("-inf"))
+from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, vocab_size: int | None = None) -> None:
         self.device = device
+        self._processor: LogitsProcessor | None = None
+        self._vocab_size = vocab_size
+        self.fork_tokens: dict[str, list[int]] = {}
+
+    def processor(self, vocab_size: int) -> LogitsProcessor:
+        if self._processor is None:
+            self._processor = LogitsProcessor(self._vocab_size or vocab_size, self.device)
+        return self._processor
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits: float [B, V] for the B requests that sample this step -> token ids int64 [B]."""
-        params = [r.sampling_params for r in requests]
-        greedy = [p.greedy for p in params]
-        argmax = logits.argmax(dim=-1)
-        if all(greedy):
-            return argmax
+        feats = [r.sampling_params.features for r in requests]
+        any_feats = 0
+        for f in feats:
+            any_feats |= f
+        if not any_feats:  # all greedy, nothing to process or record: the hot path
+            return logits.argmax(dim=-1)
+        if any_feats & F_BEAM:
+            return self._defer_beams(logits, requests, feats)
         logits = logits.float()
-        temps = torch.tensor(
-            [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=logits.device
-        )
-        logits = logits / temps.unsqueeze(-1)
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-            logits = apply_top_k(logits, top_k)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-            logits = apply_top_p(logits, top_p)
-        probs = logits.softmax(dim=-1)
+        num_rows = len(requests)
+        if any_feats & F_FORK:
+            logits, requests, feats = self._add_fork_rows(logits, requests, feats)
+        scores = self.processor(logits.shape[-1])(logits, requests, feats, any_feats)
+        tokens = scores.argmax(dim=-1)
+        if any_feats & F_WARP:
+            rows = [i for i, f in enumerate(feats) if f & F_WARP]
+            tokens = self._draw(scores, requests, rows, tokens)
+        if any_feats & F_RECORD:
+            record(logits, scores, tokens, requests, feats)
+        if len(requests) > num_rows:  # first tokens of forked siblings
+            extra = tokens[num_rows:].tolist()
+            for r, t in zip(requests[num_rows:], extra):
+                self.fork_tokens.setdefault(r.parent_request_id, []).append(t)
+            tokens = tokens[:num_rows]
+        return tokens
+
+    def _defer_beams(self, logits, requests, feats) -> torch.Tensor:
+        """Beam rows keep their raw logits row for hf_paged.beam_search (token -1 here); the
+        other rows are sampled as usual."""
+        tokens = torch.full((len(requests),), -1, dtype=torch.long, device=logits.device)
+        rest = [i for i, f in enumerate(feats) if not f & F_BEAM]
+        for i, f in enumerate(feats):
+            if f & F_BEAM:
+                requests[i].beam_logits = logits[i].float()
+        if rest:
+            idx = torch.tensor(rest, device=logits.device)
+            sampled = self(logits.index_select(0, idx), [requests[i] for i in rest])
+            tokens.index_copy_(0, idx, sampled)
+        return tokens
+
+    def take_fork_tokens(self) -> dict[str, list[int]] | None:
+        out, self.fork_tokens = self.fork_tokens, {}
+        return out or None
+
+    @staticmethod
+    def _add_fork_rows(logits, requests, feats):
+        """A request whose prompt just finished and that has pending siblings: each sibling gets
+        a row with the same logits (the prompt is computed once for all n samples)."""
+        parents = [
+            k for k, r in enumerate(requests) if r.pending_siblings and r.num_output_tokens == 0
+        ]
+        if not parents:
+            return logits, requests, feats
+        src, extra = [], []
+        for k in parents:
+            for sibling in requests[k].pending_siblings:
+                src.append(k)
+                extra.append(sibling)
+        logits = torch.cat([logits, logits[torch.tensor(src, device=logits.device)]])
+        requests = list(requests) + extra
+        feats = feats + [r.sampling_params.features for r in extra]
+        return logits, requests, feats
+
+    @staticmethod
+    def _draw(scores: torch.Tensor, requests: list[Request], rows: list[int], tokens: torch.Tensor):
+        dev = scores.device
+        all_rows = len(rows) == scores.shape[0]
+        idx = None if all_rows else torch.tensor(rows, device=dev)
+        probs = (scores if all_rows else scores.index_select(0, idx)).softmax(dim=-1)
         noise = torch.empty_like(probs)
         noise.exponential_()  # unseeded rows: the global generator
-        for row, request in enumerate(requests):
-            if request.generator is not None and not greedy[row]:
-                noise[row].exponential_(generator=request.generator)
+        for k, i in enumerate(rows):
+            gen = requests[i].generator
+            if gen is not None:
+                noise[k].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=logits.device), argmax, sampled)
-        return sampled
+        return sampled if all_rows else tokens.index_copy(0, idx, sampled)
+
+
+def record(
+    logits: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, requests: list[Request],
+    feats: list[int],
+) -> None:
+    """Keep what requests asked for. Rows are copied out in one gather per kind, so a kept row
+    does not pin the whole step's [B, V] tensor."""
+    rows = [i for i, f in enumerate(feats) if f & F_RECORD]
+    reqs = [requests[i] for i in rows]
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    for attr, flag, source in (
+        ("output_scores", "output_scores", scores), ("output_logits", "output_logits", logits),
+    ):
+        chosen = [k for k, r in enumerate(reqs) if getattr(r.sampling_params, flag)]
+        if not chosen:
+            continue
+        kept = source.index_select(0, idx[chosen]).unbind(0)
+        for k, row in zip(chosen, kept):
+            r = reqs[k]
+            if getattr(r, attr) is None:
+                setattr(r, attr, [])
+            getattr(r, attr).append(row)
+    chosen = [k for k, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+    if chosen:
+        sel = idx[chosen]
+        logp = logits.index_select(0, sel).log_softmax(dim=-1)
+        chosen_tokens = tokens.index_select(0, sel)
+        top_n = max(reqs[k].sampling_params.logprobs for k in chosen)
+        top = logp.topk(min(top_n, logp.shape[-1]), dim=-1) if top_n else None
+        own = logp.gather(-1, chosen_tokens[:, None])[:, 0].tolist()
+        chosen_tokens = chosen_tokens.tolist()
+        top_vals = top.values.tolist() if top is not None else None
+        top_ids = top.indices.tolist() if top is not None else None
+        for j, k in enumerate(chosen):
+            r = reqs[k]
+            entry = {chosen_tokens[j]: own[j]}
+            n = r.sampling_params.logprobs
+            if n:
+                for t, v in zip(top_ids[j][:n], top_vals[j][:n]):
+                    entry.setdefault(t, v)
+            if r.output_logprobs is None:
+                r.output_logprobs = []
+            r.output_logprobs.append(entry)

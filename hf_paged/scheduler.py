@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from hf_paged.config import EngineConfig
 from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.request import Request, RequestStatus
+from hf_paged.stop_checker import should_stop
 
 
 @dataclass(slots=True)
@@ -42,6 +43,8 @@ class ModelRunnerOutput:
     (a prefill chunk that does not reach the end of the request's tokens)."""
 
     sampled_token_ids: list[int]
+    # n > 1: parent request id -> first tokens of its pending siblings (same logits row)
+    fork_token_ids: dict[str, list[int]] | None = None
 
 
 class WaitingQueue:
@@ -106,13 +109,32 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> Request:
         request = self.requests.pop(request_id)
+        parent = self.requests.get(request.parent_request_id or "")
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif parent is not None and request in (parent.pending_siblings or ()):
+            parent.pending_siblings.remove(request)  # never forked: holds nothing
         else:
             self.waiting.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
+        # siblings still waiting for this request's prompt cannot start without it
+        for sibling in request.pending_siblings or ():
+            self.requests.pop(sibling.request_id, None)
+            sibling.status = RequestStatus.FINISHED_ABORTED
+        request.pending_siblings = None
         return request
+
+    def finish_requests(self, requests: list[Request], status: RequestStatus) -> None:
+        """End requests from outside a step (a beam group that is done): free their blocks."""
+        done = {id(r) for r in requests}
+        self.running = [r for r in self.running if id(r) not in done]
+        for r in requests:
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r in self.waiting:
+                self.waiting.remove(r)
+            self.kv.free(r)
+            self.requests.pop(r.request_id, None)
+            r.status = status
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -151,6 +173,10 @@ class Scheduler:
         if not out.preempted:
             while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
+                if request.pending_siblings and (
+                    len(self.running) + 1 + len(request.pending_siblings) > self.max_num_seqs
+                ):
+                    break  # its siblings join running when its prompt is computed
                 hits, num_hit_tokens = [], 0
                 if request.num_computed_tokens == 0:
                     hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -191,6 +217,35 @@ class Scheduler:
                 index[rid] = p - 1
         return num
 
+    @staticmethod
+    def _check_stop(request: Request) -> bool:
+        """Set the finished status if the request's last token ends it."""
+        if request.all_token_ids[-1] in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif request.num_tokens >= request.max_total_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+        elif request.stop_checkers is not None and should_stop(request):
+            request.status = RequestStatus.FINISHED_STOPPED  # a stop string or user criterion
+        else:
+            return False
+        return True
+
+    def _fork_siblings(self, parent: Request, fork_tokens: dict | None) -> list[Request]:
+        """The parent's prompt is computed and it sampled its first token: its siblings take its
+        blocks by reference and their own first tokens, sampled from the same logits row."""
+        siblings, parent.pending_siblings = parent.pending_siblings, None
+        tokens = (fork_tokens or {}).get(parent.request_id)
+        if tokens is None or len(tokens) != len(siblings):
+            raise RuntimeError(f"no first tokens for the siblings of {parent.request_id}")
+        for sibling, token in zip(siblings, tokens):
+            self.kv.fork(parent, sibling)
+            sibling.num_computed_tokens = parent.num_computed_tokens
+            sibling.num_cached_tokens = parent.num_cached_tokens
+            sibling.status = RequestStatus.RUNNING
+            sibling.all_token_ids.append(token)
+            self.running.append(sibling)
+        return siblings
+
     def update_from_output(
         self, out: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> tuple[list[Request], list[Request]]:
@@ -206,13 +261,13 @@ class Scheduler:
                 continue
             request.all_token_ids.append(token)
             advanced.append(request)
-            if token in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif request.num_tokens >= request.max_total_tokens:
-                request.status = RequestStatus.FINISHED_LENGTH
-            else:
-                continue
-            finished.append(request)
+            if request.pending_siblings:  # before the parent may finish and free its blocks
+                for sibling in self._fork_siblings(request, runner_output.fork_token_ids):
+                    advanced.append(sibling)
+                    if self._check_stop(sibling):
+                        finished.append(sibling)
+            if self._check_stop(request):
+                finished.append(request)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

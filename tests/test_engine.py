@@ -188,12 +188,14 @@ def test_generate_refuses_options_it_cannot_honour(tiny_model, batch_factory):
     ids, mask = batch_factory([4, 6])
     hf_paged.patch(model)
     try:
-        with pytest.raises(ValueError, match="num_beams"):
-            model.generate(input_ids=ids, attention_mask=mask, num_beams=2)
-        with pytest.raises(ValueError, match="repetition_penalty"):
-            model.generate(input_ids=ids, attention_mask=mask, repetition_penalty=1.2)
-        with pytest.raises(ValueError, match="streamer"):
-            model.generate(input_ids=ids, attention_mask=mask, streamer=object())
+        with pytest.raises(ValueError, match="diversity_penalty"):
+            model.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
+                           diversity_penalty=1.0)
+        with pytest.raises(ValueError, match="epsilon_cutoff"):
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, epsilon_cutoff=0.1)
+        with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+            model.generate(input_ids=ids, attention_mask=mask,
+                           prefix_allowed_tokens_fn=lambda b, s: [3])
         with pytest.raises(ValueError, match="row 1 is empty"):
             model.generate(input_ids=ids, attention_mask=torch.tensor([[1] * 6, [0] * 6]))
         with pytest.raises(ValueError, match="temperature"):

@@ -1,0 +1,288 @@
+"""Beam search on the paged cache, with transformers' selection rules and outputs.
+
+A BeamGroup is one prompt's num_beams beams, each a Request in the engine. The prompt is
+computed once (the root request); the other beams wait as its pending siblings, so admission
+reserves their seats. The runner does not sample beam rows: it leaves each beam's logits row on
+the request (Sampler._defer_beams). When every beam of a group has its row, the group takes one
+transformers beam step: log-softmax, the request's logits processors, top-k continuations,
+stopping criteria, finished-hypothesis update and the early-stop heuristic, calling
+GenerationMixin's own step functions on a batch of one, so length_penalty and early_stopping
+mean exactly what they mean there. Then every beam j continues beam sources[j] plus a token:
+KVCacheManager.reassign moves block references (no KV is copied; full blocks stay shared and a
+shared partial last block is copied on write when a beam next writes to it).
+
+Groups advance independently (a group that is done frees its blocks at once); transformers runs
+a batch until every item is done, which does not change any item's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import StoppingCriteriaList
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
+
+from hf_paged.request import Request, RequestStatus
+from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP, SamplingParams
+
+NEG = -1.0e9
+
+
+class BeamGroup:
+    def __init__(self, engine, root: Request, num_beams: int, plan, max_new: int) -> None:
+        gen = plan.gen
+        self.engine = engine
+        self.model = engine.model
+        self.root = root
+        self.beams: list[Request] = [root]
+        self.num_beams = num_beams
+        self.eos = list(plan.eos)
+        self.criteria = StoppingCriteriaList(plan.criteria) if plan.criteria else None
+        self.length_penalty = float(gen.length_penalty if gen.length_penalty is not None else 1.0)
+        self.early_stopping = gen.early_stopping if gen.early_stopping is not None else False
+        self.keep_scores = bool(gen.return_dict_in_generate and gen.output_scores)
+        self.keep_logits = bool(gen.return_dict_in_generate and gen.output_logits)
+        prompt = root.prompt_token_ids
+        self.prompt_len = len(prompt)
+        self.max_length = self.prompt_len + max_new
+        self.cur_len = self.prompt_len
+        self.beams_to_keep = max(2, 1 + len(self.eos)) * num_beams
+        self.top_mask = torch.arange(self.beams_to_keep) < num_beams
+        fill = (plan.pad or (self.eos[0] if self.eos else 0)) if self.eos else -1
+        self.fill = fill
+        nb = num_beams
+        self.running = torch.full((1, nb, self.max_length), fill, dtype=torch.long)
+        self.running[:, :, : self.prompt_len] = torch.tensor(prompt)
+        self.sequences = self.running.clone()
+        self.running_scores = torch.zeros((1, nb))
+        self.running_scores[:, 1:] = NEG
+        self.beam_scores = torch.full((1, nb), NEG)
+        self.finished = torch.zeros((1, nb), dtype=torch.bool)
+        self.heuristic_open = torch.ones((1, 1), dtype=torch.bool)
+        self.running_indices = torch.full((1, nb, max_new), -1, dtype=torch.int32)
+        self.beam_indices = self.running_indices.clone()
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.done = False
+
+    def ready(self) -> bool:
+        return not self.done and all(
+            b.beam_logits is not None and b.status == RequestStatus.RUNNING for b in self.beams
+        )
+
+    def step(self) -> None:
+        nb, model = self.num_beams, self.model
+        first = len(self.beams) == 1
+        beams = self.beams * nb if first else self.beams  # step 1: every beam is the prompt
+        logits = torch.stack([b.beam_logits for b in beams]).cpu()
+        for b in self.beams:
+            b.beam_logits = None
+        log_probs = logits.log_softmax(dim=-1)
+        feats = [b.sampling_params.features for b in beams]
+        any_feats = 0
+        for f in feats:
+            any_feats |= f
+        processor = self.engine.runner.sampler.processor(logits.shape[-1])
+        log_probs = processor(log_probs, beams, feats, any_feats & ~_WARP_BITS)
+        if self.keep_logits:
+            self.logits.append(logits)
+        if self.keep_scores:
+            self.scores.append(log_probs)
+        acc = (log_probs + self.running_scores[0, :, None]).reshape(1, -1)
+        cur, plen = self.cur_len, self.prompt_len
+        topk_lp, topk_seq, topk_idx = model._get_top_k_continuations(
+            accumulated_log_probs=acc, running_sequences=self.running,
+            running_beam_indices=self.running_indices, cur_len=cur, decoder_prompt_len=plen,
+            do_sample=False, beams_to_keep=self.beams_to_keep, num_beams=nb, batch_size=1,
+        )
+        hits = self._hits(topk_seq[0, :, : cur + 1])[None]
+        self.running, self.running_scores, self.running_indices = (
+            model._get_running_beams_for_next_iteration(
+                topk_log_probs=topk_lp, topk_running_sequences=topk_seq,
+                topk_running_beam_indices=topk_idx, next_token_hits_stopping_criteria=hits,
+                num_beams=nb,
+            )
+        )
+        self.sequences, self.beam_scores, self.beam_indices, self.finished = (
+            model._update_finished_beams(
+                sequences=self.sequences, topk_running_sequences=topk_seq,
+                beam_scores=self.beam_scores, topk_log_probs=topk_lp,
+                beam_indices=self.beam_indices, topk_running_beam_indices=topk_idx,
+                is_early_stop_heuristic_unsatisfied=self.heuristic_open,
+                is_sent_finished=self.finished, next_token_hits_stopping_criteria=hits,
+                top_num_beam_mask=self.top_mask, num_beams=nb, cur_len=cur,
+                decoder_prompt_len=plen, length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+            )
+        )
+        self.cur_len = cur + 1
+        self.heuristic_open = model._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=self.heuristic_open,
+            running_beam_scores=self.running_scores, beam_scores=self.beam_scores,
+            is_sent_finished=self.finished, cur_len=self.cur_len, max_length=self.max_length,
+            decoder_prompt_len=plen, early_stopping=self.early_stopping,
+            length_penalty=self.length_penalty,
+        )
+        more = model._beam_search_has_unfinished_sequences(
+            self.heuristic_open, self.finished, hits, self.early_stopping
+        )
+        if not bool(more):
+            self._finish()
+            return
+        sources = self.running_indices[0, :, cur - plen].tolist()
+        tokens = self.running[0, :, cur].tolist()
+        self._continue(sources, tokens, first)
+
+    def _hits(self, candidates: torch.Tensor) -> torch.Tensor:
+        """transformers' stopping criteria for each candidate sequence [K, cur_len + 1]."""
+        hits = torch.zeros(candidates.shape[0], dtype=torch.bool)
+        if candidates.shape[1] >= self.max_length:
+            hits[:] = True
+        if self.eos:
+            hits |= torch.isin(candidates[:, -1], torch.tensor(self.eos))
+        if self.criteria is not None:
+            scores = tuple(self.scores) if self.keep_scores else None
+            hits |= self.criteria(candidates, scores).cpu()
+        return hits
+
+    def _continue(self, sources: list[int], tokens: list[int], first: bool) -> None:
+        engine = self.engine
+        sched, kv = engine.scheduler, engine.kv
+        if first:  # the other beams start: they share the root's prompt blocks
+            siblings, self.root.pending_siblings = self.root.pending_siblings or [], None
+            for s in siblings:
+                kv.fork(self.root, s)
+                s.num_computed_tokens = self.root.num_computed_tokens
+                s.num_cached_tokens = self.root.num_cached_tokens
+                s.status = RequestStatus.RUNNING
+                sched.running.append(s)
+            self.beams = [self.root, *siblings]
+        old_tokens = [list(b.all_token_ids) for b in self.beams]
+        old_computed = [b.num_computed_tokens for b in self.beams]
+        kv.reassign(self.beams, sources)
+        for b, src, tok in zip(self.beams, sources, tokens):
+            b.all_token_ids = old_tokens[src] + [tok]
+            b.num_computed_tokens = old_computed[src]
+            b.penalty_slot = -1  # its token history changed: recount penalties and n-grams
+            b.ngram_index = None
+
+    def _finish(self) -> None:
+        self.done = True
+        self.engine.scheduler.finish_requests(
+            [*self.beams, *(self.root.pending_siblings or [])], RequestStatus.FINISHED_STOPPED
+        )
+        self.root.pending_siblings = None
+
+
+# stages that do not apply to beam rows: warpers (no beam sampling), sampler records, forks
+_WARP_BITS = F_WARP | F_RECORD | F_FORK | F_BEAM
+
+
+def beam_generate(engine, plan, batches) -> list:
+    """generate() with num_beams > 1 for each RowBatch; transformers' outputs per batch."""
+    gen = plan.gen
+    nb = int(gen.num_beams)
+    if gen.do_sample:
+        raise ValueError("do_sample with num_beams > 1 (beam sampling) is not supported")
+    if nb > engine.config.max_num_seqs:
+        limit = engine.config.max_num_seqs
+        raise ValueError(f"num_beams: {nb} beams exceed max_num_seqs ({limit})")
+    nrs = int(gen.num_return_sequences or 1)
+    groups_per_batch: list[list[BeamGroup]] = []
+    all_groups: list[BeamGroup] = []
+    try:
+        for b in batches:
+            groups = []
+            for prompt in b.prompts:
+                groups.append(_add_group(engine, plan, prompt, nb, b))
+            groups_per_batch.append(groups)
+            all_groups.extend(groups)
+        while not all(g.done for g in all_groups):
+            engine.step()
+    except BaseException:
+        for g in all_groups:
+            if not g.done:
+                g._finish()
+        raise
+    return [_outputs(gen, b, groups, nrs) for b, groups in zip(batches, groups_per_batch)]
+
+
+def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
+    params = SamplingParams(
+        max_tokens=batch.max_new, min_tokens=max(batch.min_new, 0), temperature=0.0,
+        eos_token_id=plan.eos, repetition_penalty=float(plan.gen.repetition_penalty or 1.0),
+        no_repeat_ngram_size=int(plan.gen.no_repeat_ngram_size or 0),
+        bad_words_ids=plan.gen.bad_words_ids, suppress_tokens=plan.gen.suppress_tokens,
+        begin_suppress_tokens=plan.gen.begin_suppress_tokens,
+        logits_processors=plan.processors, beam_search=True,
+    )
+    rid = engine.add_request(prompt, params)
+    root = engine.scheduler.requests[rid]
+    group = BeamGroup(engine, root, nb, plan, batch.max_new)
+    root.beam = group
+    # the other beams: pending siblings of the root (admission reserves their seats)
+    siblings = []
+    for j in range(1, nb):
+        s = dataclasses.replace(root, request_id=f"{rid}@{j}", all_token_ids=list(prompt),
+                                block_hashes=[], banned_token_ids=list(root.banned_token_ids),
+                                bad_word_prefixes=list(root.bad_word_prefixes))
+        s.parent_request_id = rid
+        s.beam = group
+        engine.scheduler.requests[s.request_id] = s
+        siblings.append(s)
+    root.pending_siblings = siblings
+    engine._beam_groups.add(group)
+    return group
+
+
+def _outputs(gen, batch, groups: list[BeamGroup], nrs: int):
+    input_ids = batch.input_ids
+    nb = groups[0].num_beams
+    rows, seq_scores, indices = [], [], []
+    for g_i, g in enumerate(groups):
+        seqs = g.sequences[0, :nrs]
+        for k in range(nrs):
+            new = seqs[k, g.prompt_len :]
+            rows.append(new)
+            seq_scores.append(g.beam_scores[0, k])
+            idx = g.beam_indices[0, k].long()
+            indices.append(torch.where(idx >= 0, idx + g_i * nb, idx))
+    gen_len = max(int((idx >= 0).sum()) for idx in indices)
+    fill = groups[0].fill
+    new_tokens = torch.stack([
+        r[:gen_len] if len(r) >= gen_len else torch.cat([r, torch.full((gen_len - len(r),), fill)])
+        for r in rows
+    ])
+    prompts = input_ids.repeat_interleave(nrs, dim=0)
+    sequences = torch.cat([prompts, new_tokens.to(input_ids.device, input_ids.dtype)], dim=1)
+    if not gen.return_dict_in_generate:
+        return sequences
+    beam_indices = torch.stack([i[:gen_len] for i in indices])
+    scores = logits = None
+    steps = max(len(g.scores) or len(g.logits) for g in groups)
+    if gen.output_scores:
+        scores = _stack(groups, "scores", steps)
+    if gen.output_logits:
+        logits = _stack(groups, "logits", steps)
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=torch.stack(seq_scores) if gen.output_scores else None,
+        scores=scores, logits=logits, beam_indices=beam_indices,
+    )
+
+
+def _stack(groups: list[BeamGroup], attr: str, steps: int) -> tuple:
+    """Per-group per-step [num_beams, V] rows -> transformers' tuple of [batch*num_beams, V]; a
+    group that finished early contributes -inf rows for the later steps."""
+    out = []
+    for s in range(steps):
+        parts = []
+        for g in groups:
+            rows = getattr(g, attr)
+            if s < len(rows):
+                parts.append(rows[s])
+            else:
+                parts.append(torch.full_like(rows[0], float("-inf")))
+        out.append(torch.cat(parts))
+    return tuple(out)
