@@ -35,3 +35,17 @@ def tiny_tokenizer(vocab_size: int = 256):
         tokenizer_object=core, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def load_evals():
+    """The repo's evals/run.py as a module, with evals/ importable as `hf_paged_evals` (for tests;
+    needs the editable checkout, since evals/ is not installed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "evals" / "run.py"
+    spec = importlib.util.spec_from_file_location("hf_paged_evals_run", path)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    run.load_package()
+    return run

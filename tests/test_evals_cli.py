@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,18 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from hf_paged.testing import load_evals
+
 EVALS = Path(__file__).resolve().parents[1] / "evals"
 
-
-def _evals():
-    spec = importlib.util.spec_from_file_location("hf_paged_evals_run", EVALS / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
-    run.load_package()
-    return run
-
-
-run = _evals()
+run = load_evals()
 sources = importlib.import_module("hf_paged_evals.sources")
 workloads = importlib.import_module("hf_paged_evals.workloads")
 roofline = importlib.import_module("hf_paged_evals.roofline")

@@ -4,24 +4,13 @@ the CLI prints the side-by-side table, JSON and plots (tiny workloads: CPU CI)."
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-EVALS = Path(__file__).resolve().parents[1] / "evals"
+from hf_paged.testing import load_evals
 
-
-def _evals():
-    spec = importlib.util.spec_from_file_location("hf_paged_evals_run", EVALS / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
-    run.load_package()
-    return run
-
-
-run = _evals()
+run = load_evals()
 
 pytestmark = pytest.mark.slow
 
