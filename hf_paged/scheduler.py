@@ -170,13 +170,18 @@ class Scheduler:
                 i += 1
 
         # Waiting requests join only when nothing was preempted: memory is tight otherwise.
-        if not out.preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not out.preempted and len(self.waiting):
+            # Seats promised to siblings of running parents that have not forked yet: they join
+            # running when the parent's prompt is computed, so they count against max_num_seqs.
+            reserved = sum(len(r.pending_siblings) for r in self.running if r.pending_siblings)
+            while (
+                len(self.waiting) and budget > 0
+                and len(self.running) + reserved < self.max_num_seqs
+            ):
                 request = self.waiting.peek()
-                if request.pending_siblings and (
-                    len(self.running) + 1 + len(request.pending_siblings) > self.max_num_seqs
-                ):
-                    break  # its siblings join running when its prompt is computed
+                seats = 1 + len(request.pending_siblings or ())
+                if len(self.running) + reserved + seats > self.max_num_seqs:
+                    break
                 hits, num_hit_tokens = [], 0
                 if request.num_computed_tokens == 0:
                     hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -192,6 +197,7 @@ class Scheduler:
                     request.num_cached_tokens = num_hit_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                reserved += seats - 1
                 out.requests.append(request)
                 out.num_scheduled_tokens.append(num_new)
                 budget -= num_new

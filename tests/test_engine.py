@@ -243,3 +243,17 @@ def test_attention_arguments_that_change_semantics_are_refused(tiny_model):
     with pytest.raises(ValueError, match="s_aux"):
         _refuse_unsupported(module, {"s_aux": torch.zeros(2)})
     _refuse_unsupported(module, {"is_causal": True, "position_ids": torch.zeros(1)})
+
+
+def test_siblings_of_n_samples_count_against_max_num_seqs(tiny_model):
+    """Regression: parents admitted in turn each fit, but their forked siblings together
+    overflowed max_num_seqs (and the runner's rows)."""
+    engine = Engine(tiny_model("llama"), max_num_seqs=4, block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=6, n=3, seed=1)
+    for prompt in ([5, 6, 7] * 5, [10, 11] * 6, [13] * 7):
+        engine.add_request(prompt, params)
+    finished = 0
+    while engine.has_unfinished_requests():
+        finished += sum(o.finished for o in engine.step())
+        assert len(engine.scheduler.running) <= 4
+    assert finished == 9
