@@ -304,7 +304,8 @@ def _make_output(r: Request, num_new: int) -> RequestOutput:
     return RequestOutput(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
-        output_token_ids=r.output_token_ids,
+        token_ids_ref=r.all_token_ids,
+        num_tokens=len(r.all_token_ids),
         new_token_ids=r.all_token_ids[-num_new:] if num_new else [],
         finished=r.status.finished,
         finish_reason=r.finish_reason,

@@ -113,7 +113,10 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    # The request's own token list (append-only) and its length at this output: output_token_ids
+    # is sliced on access, so reporting a step costs O(1) per request instead of O(output length).
+    token_ids_ref: list[int] = field(repr=False)
+    num_tokens: int
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
@@ -127,3 +130,8 @@ class RequestOutput:
     scores: list[torch.Tensor] | None = None  # SamplingParams.output_scores: [V] per new token
     logits: list[torch.Tensor] | None = None  # SamplingParams.output_logits: [V] per new token
     parent_request_id: str | None = None  # the first sibling's id (None for it)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every token generated up to this output."""
+        return self.token_ids_ref[len(self.prompt_token_ids) : self.num_tokens]
