@@ -37,7 +37,9 @@ def summarize(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
     same = len(div) - len(diverged)
     where = (
         f"first divergence: min {min(diverged)}, median {statistics.median(diverged):.0f}, "
-        f"max {max(diverged)} (of {a.shape[1]} tokens)" if diverged else "no divergence"
+        f"max {max(diverged)} (of {a.shape[1]} tokens)"
+        if diverged
+        else "no divergence"
     )
     return f"| {name} | {same}/{len(div)} ({same / len(div):.0%}) | {where} |"
 
@@ -56,9 +58,16 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     cfg = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-        num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=4,
-        max_position_embeddings=2048, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=args.layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     torch.manual_seed(0)
     with torch.device(args.device):
@@ -85,9 +94,11 @@ def main() -> None:
         times[backend] = time.perf_counter() - t
         hf_paged.unpatch(model)
 
-    print(f"model: TinyLlama-1.1B shape, {args.layers} layers, {args.dtype}, random weights; "
-          f"{args.prompts} prompts of 16-512 tokens x {args.new} greedy tokens; "
-          f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}")
+    print(
+        f"model: TinyLlama-1.1B shape, {args.layers} layers, {args.dtype}, random weights; "
+        f"{args.prompts} prompts of 16-512 tokens x {args.new} greedy tokens; "
+        f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
+    )
     print("| pair | identical sequences | where rows first differ |\n|---|---|---|")
     print(summarize("triton vs transformers", outs["triton"], outs["transformers"]))
     print(summarize("triton vs torch backend", outs["triton"], outs["torch"]))

@@ -84,18 +84,24 @@ class _restore_attention:
 
 
 def _check_lengths(run: BackendRun, wl: Workload) -> None:
-    bad = [(t.output_len, r.max_new_tokens) for t, r in zip(run.timings, wl.requests)
-           if t.output_len != r.max_new_tokens]
+    bad = [
+        (t.output_len, r.max_new_tokens)
+        for t, r in zip(run.timings, wl.requests)
+        if t.output_len != r.max_new_tokens
+    ]
     if bad:
-        raise EvalError(f"backend {run.backend} generated {bad[0][0]} tokens where "
-                        f"{bad[0][1]} were asked ({len(bad)} requests differ): EOS not ignored?")
+        raise EvalError(
+            f"backend {run.backend} generated {bad[0][0]} tokens where "
+            f"{bad[0][1]} were asked ({len(bad)} requests differ): EOS not ignored?"
+        )
 
 
 # ------------------------------------------------------------------------------------ paged
 
 
-def run_paged(model, wl: Workload, concurrency: int, engine_options: dict | None = None,
-              progress: bool = True) -> BackendRun:
+def run_paged(
+    model, wl: Workload, concurrency: int, engine_options: dict | None = None, progress: bool = True
+) -> BackendRun:
     try:
         import hf_paged
         from hf_paged import SamplingParams
@@ -122,22 +128,22 @@ def run_paged(model, wl: Workload, concurrency: int, engine_options: dict | None
         pending = list(wl.requests)
 
         def submit(req) -> None:
-            params = SamplingParams(max_tokens=req.max_new_tokens, temperature=0.0,
-                                    ignore_eos=True)
+            params = SamplingParams(max_tokens=req.max_new_tokens, temperature=0.0, ignore_eos=True)
             try:
                 rid = engine.add_request(req.prompt_token_ids, params)
             except ValueError as exc:  # e.g. longer than max_model_len or the whole KV cache
                 raise EvalError(f"backend paged rejected a request: {exc}") from exc
             order.append(rid)
-            timings[rid] = RequestTiming(len(req.prompt_token_ids), 0,
-                                         time.perf_counter() - t0, 0.0, 0.0)
+            timings[rid] = RequestTiming(
+                len(req.prompt_token_ids), 0, time.perf_counter() - t0, 0.0, 0.0
+            )
 
         while pending or engine.has_unfinished_requests():
             if pending and (not sequential or not engine.has_unfinished_requests()):
                 batch = pending[:1] if sequential else pending
                 for req in batch:
                     submit(req)
-                pending = pending[len(batch):]
+                pending = pending[len(batch) :]
             for out in engine.step():
                 if out.finished:
                     t = timings[out.request_id]
@@ -155,8 +161,11 @@ def run_paged(model, wl: Workload, concurrency: int, engine_options: dict | None
     extra = {
         "kv_blocks": stats.get("num_blocks"),
         "kv_peak_blocks_used": stats.get("peak_blocks_used"),
-        "kv_usage": (stats["peak_blocks_used"] / stats["num_blocks"]
-                     if stats.get("num_blocks") and "peak_blocks_used" in stats else None),
+        "kv_usage": (
+            stats["peak_blocks_used"] / stats["num_blocks"]
+            if stats.get("num_blocks") and "peak_blocks_used" in stats
+            else None
+        ),
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "num_preemptions": stats.get("num_preemptions", 0) - stats0.get("num_preemptions", 0),
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
@@ -197,8 +206,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -207,8 +216,13 @@ def hf_generate_config(model, max_new_tokens: int):
     (min_new_tokens would also work but masks the EOS logit, changing greedy choices)."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                            pad_token_id=_pad_id(model), use_cache=True)
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=_pad_id(model),
+        use_cache=True,
+    )
 
 
 def run_hf(model, wl: Workload, batch_size: int, progress: bool = True) -> BackendRun:
@@ -219,8 +233,9 @@ def run_hf(model, wl: Workload, batch_size: int, progress: bool = True) -> Backe
     size = 1 if wl.max_concurrency == 1 else batch_size
     with torch.inference_mode():
         ids, mask = _left_pad([[17] * 16], pad, device)  # warm-up outside the clock
-        model.generate(input_ids=ids, attention_mask=mask,
-                       generation_config=hf_generate_config(model, 2))
+        model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=hf_generate_config(model, 2)
+        )
     _start_memory(device)
     sync(device)
     t0 = time.perf_counter()
@@ -228,7 +243,7 @@ def run_hf(model, wl: Workload, batch_size: int, progress: bool = True) -> Backe
     generated = 0
     pbar = tqdm(total=len(wl.requests), desc="hf", unit="req", disable=not progress)
     for start in range(0, len(wl.requests), size):
-        chunk = wl.requests[start:start + size]
+        chunk = wl.requests[start : start + size]
         # Static batching: the batch runs to its longest request; shorter ones' extra tokens are
         # computed but not counted as useful output (vLLM's hf backend counts the same way).
         steps = max(r.max_new_tokens for r in chunk)
@@ -236,24 +251,36 @@ def run_hf(model, wl: Workload, batch_size: int, progress: bool = True) -> Backe
         clock = _StepClock(device)
         ids, mask = _left_pad([r.prompt_token_ids for r in chunk], pad, device)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask,
-                                 generation_config=hf_generate_config(model, steps),
-                                 stopping_criteria=StoppingCriteriaList([clock]))
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=hf_generate_config(model, steps),
+                stopping_criteria=StoppingCriteriaList([clock]),
+            )
         made = out.shape[1] - ids.shape[1]
         if made != steps or len(clock.times) != steps:
             raise EvalError(f"backend hf generated {made} tokens where {steps} were asked")
         generated += made * len(chunk)
         for r in chunk:
-            timings.append(RequestTiming(len(r.prompt_token_ids), r.max_new_tokens, arrival,
-                                         clock.times[0] - t0,
-                                         clock.times[r.max_new_tokens - 1] - t0))
+            timings.append(
+                RequestTiming(
+                    len(r.prompt_token_ids),
+                    r.max_new_tokens,
+                    arrival,
+                    clock.times[0] - t0,
+                    clock.times[r.max_new_tokens - 1] - t0,
+                )
+            )
         pbar.update(len(chunk))
     sync(device)
     wall = time.perf_counter() - t0
     pbar.close()
     peak, kind = _peak_memory(device)
-    extra = {"wasted_tokens": generated - wl.num_output_tokens, "kv_usage": None,
-             "prefix_cache_hit_rate": None}
+    extra = {
+        "wasted_tokens": generated - wl.num_output_tokens,
+        "kv_usage": None,
+        "prefix_cache_hit_rate": None,
+    }
     run = BackendRun("hf", size, timings, wall, peak, kind, extra)
     _check_lengths(run, wl)
     return run
@@ -268,8 +295,12 @@ def run_hf_cb(model, wl: Workload, concurrency: int | None, progress: bool = Tru
 
     device = _device(model)
     # eos_token_id=-1 is transformers' own "EOS disabled" (None falls back to the model's).
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=_pad_id(model),
-                           max_new_tokens=max(r.max_new_tokens for r in wl.requests))
+    gen = GenerationConfig(
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=_pad_id(model),
+        max_new_tokens=max(r.max_new_tokens for r in wl.requests),
+    )
     cb_options = {}
     if wl.max_concurrency == 1:
         concurrency = 1
@@ -279,16 +310,25 @@ def run_hf_cb(model, wl: Workload, concurrency: int | None, progress: bool = Tru
         # On the host transformers sizes the cache from free RAM (~8 GB here); the whole
         # workload's tokens fit in far less, and CI machines have 2 cores and little RAM.
         page = 256
-        cb_options["num_blocks"] = sum(-(-(len(r.prompt_token_ids) + r.max_new_tokens) // page)
-                                       for r in wl.requests) + 2
-    hints = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in wl.requests),
-                          max_generated_length=gen.max_new_tokens, num_requests=len(wl.requests))
+        cb_options["num_blocks"] = (
+            sum(-(-(len(r.prompt_token_ids) + r.max_new_tokens) // page) for r in wl.requests) + 2
+        )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r.prompt_token_ids) for r in wl.requests),
+        max_generated_length=gen.max_new_tokens,
+        num_requests=len(wl.requests),
+    )
     timings: dict[str, RequestTiming] = {}
     order: list[str] = []
     with _restore_attention(model), torch.inference_mode():
         ctx = model.continuous_batching_context_manager(
-            generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**cb_options),
-            block=True, timeout=5, warmup=True, workload_hints=hints)
+            generation_config=gen,
+            continuous_batching_config=ContinuousBatchingConfig(**cb_options),
+            block=True,
+            timeout=5,
+            warmup=True,
+            workload_hints=hints,
+        )
         with ctx as manager:  # warm-up (graph capture) happens on entry, outside the clock
             # The concurrency transformers resolved (workload hints, memory), for the report.
             resolved = getattr(manager.continuous_batching_config, "max_requests_per_batch", None)
@@ -304,13 +344,18 @@ def run_hf_cb(model, wl: Workload, concurrency: int | None, progress: bool = Tru
                 if pending and (not sequential or done == len(order)):
                     batch = pending[:1] if sequential else pending
                     for i, req in batch:
-                        rid = manager.add_request(req.prompt_token_ids, request_id=f"r{i}",
-                                                  max_new_tokens=req.max_new_tokens,
-                                                  record_timestamps=True, eos_token_id=-1)
+                        rid = manager.add_request(
+                            req.prompt_token_ids,
+                            request_id=f"r{i}",
+                            max_new_tokens=req.max_new_tokens,
+                            record_timestamps=True,
+                            eos_token_id=-1,
+                        )
                         order.append(rid)
-                        timings[rid] = RequestTiming(len(req.prompt_token_ids), 0,
-                                                     time.perf_counter() - t0, 0.0, 0.0)
-                    pending = pending[len(batch):]
+                        timings[rid] = RequestTiming(
+                            len(req.prompt_token_ids), 0, time.perf_counter() - t0, 0.0, 0.0
+                        )
+                    pending = pending[len(batch) :]
                 result = manager.get_result(timeout=1)
                 if result is None:
                     if not manager.is_running():
@@ -332,14 +377,21 @@ def run_hf_cb(model, wl: Workload, concurrency: int | None, progress: bool = Tru
             pbar.close()
             peak, kind = _peak_memory(device)
     extra = {"kv_usage": None, "prefix_cache_hit_rate": None, "cb_config": cb_options}
-    run = BackendRun("hf-cb", concurrency or 0, [timings[r] for r in order], wall, peak, kind,
-                     extra)
+    run = BackendRun(
+        "hf-cb", concurrency or 0, [timings[r] for r in order], wall, peak, kind, extra
+    )
     _check_lengths(run, wl)
     return run
 
 
-def run_backend(name: str, model, wl: Workload, concurrency: int | None, progress: bool = True,
-                engine_options: dict | None = None) -> BackendRun:
+def run_backend(
+    name: str,
+    model,
+    wl: Workload,
+    concurrency: int | None,
+    progress: bool = True,
+    engine_options: dict | None = None,
+) -> BackendRun:
     if wl.max_concurrency:
         concurrency = min(concurrency or wl.max_concurrency, wl.max_concurrency)
     if name == "paged":

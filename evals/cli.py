@@ -23,10 +23,13 @@ def _csv(values: list[str] | None, default: str) -> list[str]:
 
 
 def _common(p: argparse.ArgumentParser, model_default: str, dtype_default: str) -> None:
-    p.add_argument("--model", default=model_default,
-                   help="smollm2 | tinyllama-1.1b | llama-3-8b | qwen2.5-7b | smollm2-135m "
-                        "(shapes: random weights) | a local folder | a hub id; auto = smollm2 on "
-                        "CPU, tinyllama-1.1b shape on GPU")
+    p.add_argument(
+        "--model",
+        default=model_default,
+        help="smollm2 | tinyllama-1.1b | llama-3-8b | qwen2.5-7b | smollm2-135m "
+        "(shapes: random weights) | a local folder | a hub id; auto = smollm2 on "
+        "CPU, tinyllama-1.1b shape on GPU",
+    )
     p.add_argument("--dtype", default=dtype_default, help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--limit", type=int, default=None, help="number of requests / prompts")
@@ -41,41 +44,69 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = sub.add_parser("accuracy", help="engine vs transformers: parity, perplexity, MC")
     _common(acc, "smollm2", "float32")
-    acc.add_argument("--dataset", action="append",
-                     help="sharegpt (greedy parity) | shakespeare (perplexity) | "
-                          "date_understanding (multiple choice); comma list or repeated "
-                          "(default: all three)")
-    acc.add_argument("--backend", action="append",
-                     help="engine under test: paged (hf_paged.Engine, default) and/or generate "
-                          "(hf_paged.patch + model.generate on a left-padded batch)")
+    acc.add_argument(
+        "--dataset",
+        action="append",
+        help="sharegpt (greedy parity) | shakespeare (perplexity) | "
+        "date_understanding (multiple choice); comma list or repeated "
+        "(default: all three)",
+    )
+    acc.add_argument(
+        "--backend",
+        action="append",
+        help="engine under test: paged (hf_paged.Engine, default) and/or generate "
+        "(hf_paged.patch + model.generate on a left-padded batch)",
+    )
     acc.add_argument("--max-new-tokens", type=int, default=32, help="greedy parity length")
     acc.add_argument("--window", type=int, default=512, help="perplexity window in tokens")
     acc.add_argument("--text", default="hamlet_gut", help="Shakespeare text for perplexity")
 
     thr = sub.add_parser("throughput", help="workloads through paged / hf / hf-cb backends")
     _common(thr, "auto", "auto")
-    thr.add_argument("--dataset", action="append",
-                     help="synthetic (W1) | sharegpt | shared-prefix | batch1 | workload .json; "
-                          "comma list or repeated (default: synthetic)")
-    thr.add_argument("--backend", action="append",
-                     help="paged | hf | hf-cb; comma list or repeated (default: all three)")
-    thr.add_argument("--concurrency", default=None,
-                     help="comma list of max_num_seqs / static batch sizes to sweep (default: "
-                          "paged 256, hf 64, hf-cb transformers' own)")
-    thr.add_argument("--max-new-tokens", type=int, default=None,
-                     help="override every request's output length")
-    thr.add_argument("--full", action="store_true",
-                     help="on CPU, run the full workload instead of the shortened default")
-    thr.add_argument("--bandwidth-gbs", type=float, default=None,
-                     help="memory bandwidth for the roofline on hardware other than the H200")
+    thr.add_argument(
+        "--dataset",
+        action="append",
+        help="synthetic (W1) | sharegpt | shared-prefix | batch1 | workload .json; "
+        "comma list or repeated (default: synthetic)",
+    )
+    thr.add_argument(
+        "--backend",
+        action="append",
+        help="paged | hf | hf-cb; comma list or repeated (default: all three)",
+    )
+    thr.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma list of max_num_seqs / static batch sizes to sweep (default: "
+        "paged 256, hf 64, hf-cb transformers' own)",
+    )
+    thr.add_argument(
+        "--max-new-tokens", type=int, default=None, help="override every request's output length"
+    )
+    thr.add_argument(
+        "--full",
+        action="store_true",
+        help="on CPU, run the full workload instead of the shortened default",
+    )
+    thr.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=None,
+        help="memory bandwidth for the roofline on hardware other than the H200",
+    )
     thr.add_argument("--tflops", type=float, default=None, help="peak TFLOP/s for the roofline")
     thr.add_argument("--num-blocks", type=int, default=None, help="paged engine KV blocks")
-    thr.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="paged engine token budget per step")
+    thr.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="paged engine token budget per step",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
-    exp = sub.add_parser("export-workload",
-                         help="save a tokenized workload as JSON (for machines without PyPI)")
+    exp = sub.add_parser(
+        "export-workload", help="save a tokenized workload as JSON (for machines without PyPI)"
+    )
     _common(exp, "smollm2", "float32")
     exp.add_argument("--dataset", default="sharegpt")
     exp.add_argument("--file", required=True, help="output .json path")
@@ -113,8 +144,11 @@ def _save(out_dir: str, stem: str, payload: dict, markdown: str) -> Path:
     return path
 
 
-ACCURACY_TASKS = {"sharegpt": "parity", "shakespeare": "perplexity",
-                  "date_understanding": "multiple_choice"}
+ACCURACY_TASKS = {
+    "sharegpt": "parity",
+    "shakespeare": "perplexity",
+    "date_understanding": "multiple_choice",
+}
 
 
 def _accuracy_task(dataset: str) -> str:
@@ -126,8 +160,10 @@ def _accuracy_task(dataset: str) -> str:
         return ACCURACY_TASKS[dataset]
     path = dataset_path(dataset)
     if not path.is_file() or path.suffix not in (".json", ".jsonl"):
-        raise EvalError(f"unknown dataset {dataset!r} for accuracy: use "
-                        f"{', '.join(ACCURACY_TASKS)} or a .jsonl file")
+        raise EvalError(
+            f"unknown dataset {dataset!r} for accuracy: use "
+            f"{', '.join(ACCURACY_TASKS)} or a .jsonl file"
+        )
     columns = set(load_json_dataset(str(path)).column_names)
     if {"input", "choices", "target"} <= columns:
         return "multiple_choice"
@@ -146,8 +182,10 @@ def cmd_accuracy(args) -> int:
     vias = _csv(args.backend, "paged")
     for b in vias:
         if b not in ("paged", "generate"):
-            raise EvalError(f"accuracy backend {b!r}: use paged (hf_paged.Engine) or generate "
-                            "(hf_paged.patch + model.generate; greedy parity only)")
+            raise EvalError(
+                f"accuracy backend {b!r}: use paged (hf_paged.Engine) or generate "
+                "(hf_paged.patch + model.generate; greedy parity only)"
+            )
     tasks = {d: _accuracy_task(d) for d in datasets_}  # checked before loading the model
     results, desc = [], ""
     progress = not args.no_progress
@@ -157,15 +195,33 @@ def cmd_accuracy(args) -> int:
         m, tok = loaded.model, loaded.tokenizer
         for d, task in tasks.items():
             if task == "parity":
-                rs = accuracy.greedy_parity(m, tok, n=args.limit or 16, vias=tuple(vias),
-                                            max_new_tokens=args.max_new_tokens,
-                                            progress=progress, dataset=d)
+                rs = accuracy.greedy_parity(
+                    m,
+                    tok,
+                    n=args.limit or 16,
+                    vias=tuple(vias),
+                    max_new_tokens=args.max_new_tokens,
+                    progress=progress,
+                    dataset=d,
+                )
             elif task == "perplexity":
-                rs = [accuracy.perplexity(m, tok, num_windows=args.limit or 8, window=args.window,
-                                          title=args.text, progress=progress, dataset=d)]
+                rs = [
+                    accuracy.perplexity(
+                        m,
+                        tok,
+                        num_windows=args.limit or 8,
+                        window=args.window,
+                        title=args.text,
+                        progress=progress,
+                        dataset=d,
+                    )
+                ]
             else:
-                rs = [accuracy.date_understanding(m, tok, limit=args.limit, progress=progress,
-                                                  dataset=d)]
+                rs = [
+                    accuracy.date_understanding(
+                        m, tok, limit=args.limit, progress=progress, dataset=d
+                    )
+                ]
             results += [r | {"dtype": dtype} for r in rs]
     table = accuracy.format_accuracy(results, desc.rsplit(",", 2)[0] + ")")
     print(table)
@@ -202,25 +258,38 @@ def cmd_throughput(args) -> int:
         print(f"(CPU: shortened to --limit {limit} --max-new-tokens {max_new}; --full for all)")
     cfg = loaded.model.config.get_text_config()
     hw = detect_hardware(device, args.bandwidth_gbs, args.tflops)
-    engine_options = {k: v for k, v in (("num_blocks", args.num_blocks),
-                                        ("max_num_batched_tokens", args.max_num_batched_tokens))
-                      if v is not None}
+    engine_options = {
+        k: v
+        for k, v in (
+            ("num_blocks", args.num_blocks),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+        )
+        if v is not None
+    }
     desc = describe(loaded)
     results, tables = [], []
     stem = f"throughput-{loaded.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     for name in names:
-        wl = build_workload(name, cfg.vocab_size, lambda: load_tokenizer_for_workloads(loaded),
-                            cfg.max_position_embeddings, seed=args.seed)
+        wl = build_workload(
+            name,
+            cfg.vocab_size,
+            lambda: load_tokenizer_for_workloads(loaded),
+            cfg.max_position_embeddings,
+            seed=args.seed,
+        )
         wl = wl.limited(limit).with_max_new_tokens(max_new)
-        res = run_throughput(loaded, wl, backends, concs, hw, not args.no_progress,
-                             engine_options)
+        res = run_throughput(loaded, wl, backends, concs, hw, not args.no_progress, engine_options)
         table = format_table(res, desc)
         print(table + "\n", flush=True)
         results.append(res)
         tables.append(table)
         # Saved after every workload: a run cut short by a time limit keeps what finished.
-        path = _save(args.out, stem, {"argv": sys.argv, "model": desc, "results": results},
-                     "\n\n".join(tables))
+        path = _save(
+            args.out,
+            stem,
+            {"argv": sys.argv, "model": desc, "results": results},
+            "\n\n".join(tables),
+        )
     print(f"results: {path}")
     if not args.no_plots:
         try:
@@ -244,8 +313,13 @@ def cmd_export(args) -> int:
         raise EvalError("export-workload tokenizes with SmolLM2: use --model smollm2")
     folder = smollm2_dir()
     cfg = AutoConfig.from_pretrained(folder)
-    wl = build_workload(args.dataset, cfg.vocab_size, lambda: AutoTokenizer.from_pretrained(folder),
-                        2048, seed=args.seed)
+    wl = build_workload(
+        args.dataset,
+        cfg.vocab_size,
+        lambda: AutoTokenizer.from_pretrained(folder),
+        2048,
+        seed=args.seed,
+    )
     wl = wl.limited(args.limit)
     Path(args.file).parent.mkdir(parents=True, exist_ok=True)
     wl.save(args.file)

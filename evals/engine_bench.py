@@ -28,16 +28,25 @@ def main() -> None:
 
     opts = dict(arg.split("=") for arg in sys.argv[1:])
     opts = {k: (v == "1") if k in ("compile", "cuda_graphs") else int(v) for k, v in opts.items()}
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                      max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     t0 = time.perf_counter()
     eng = Engine(model, **opts)
-    print(f"startup {time.perf_counter() - t0:.1f}s, graph capture "
-          f"{eng.runner.graph_capture_seconds:.1f}s, {eng.kv.num_blocks} KV blocks, "
-          f"compiled {eng.runner.compiled}", flush=True)
+    print(
+        f"startup {time.perf_counter() - t0:.1f}s, graph capture "
+        f"{eng.runner.graph_capture_seconds:.1f}s, {eng.kv.num_blocks} KV blocks, "
+        f"compiled {eng.runner.compiled}",
+        flush=True,
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 32000, int(n)).tolist() for n in rng.integers(64, 513, 256)]
     eng.generate(prompts[:8], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
@@ -51,6 +60,7 @@ def main() -> None:
             out = fn(*a, **k)
             spent[name] += time.perf_counter() - t
             return out
+
         return wrapper
 
     eng.scheduler.schedule = timed("schedule", originals[0])
@@ -63,14 +73,17 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     n_out = sum(len(o.output_token_ids) for o in outs)
-    print(f"W1 {opts}: {n_out} tokens in {wall:.2f}s = {n_out / wall:,.0f} output tok/s over "
-          f"{eng.num_steps - steps0} steps; seconds in " +
-          ", ".join(f"{k} {v:.2f}" for k, v in spent.items()))
+    print(
+        f"W1 {opts}: {n_out} tokens in {wall:.2f}s = {n_out / wall:,.0f} output tok/s over "
+        f"{eng.num_steps - steps0} steps; seconds in "
+        + ", ".join(f"{k} {v:.2f}" for k, v in spent.items())
+    )
     eng.scheduler.schedule, eng.runner.execute, eng.scheduler.update_from_output = originals
     torch.cuda.synchronize()
     t = time.perf_counter()
-    one = eng.generate([prompts[0][:128]],
-                       SamplingParams(max_tokens=512, temperature=0, ignore_eos=True))[0]
+    one = eng.generate(
+        [prompts[0][:128]], SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
+    )[0]
     torch.cuda.synchronize()
     print(f"batch-1 decode: {len(one.output_token_ids) / (time.perf_counter() - t):,.0f} tok/s")
 

@@ -184,36 +184,54 @@ def run_decode(batches, contexts, copy_bw: float) -> list[dict]:
             ms_base = bench_graph(gathered_sdpa)
             k = gather_kv(kc, meta.block_table, ctx)
             v = gather_kv(vc, meta.block_table, ctx)
-            ms_sdpa = bench_graph(functools.partial(F.scaled_dot_product_attention, q4, k, v,
-                                                    scale=scale))
+            ms_sdpa = bench_graph(
+                functools.partial(F.scaled_dot_product_attention, q4, k, v, scale=scale)
+            )
             del k, v, kc, vc, query, out, q4, gathered_sdpa
             torch.cuda.empty_cache()
             bw = kv_bytes / (ms * 1e-3)
-            rows.append({
-                "batch": batch, "ctx": ctx, "splits": splits, "kv_bytes": kv_bytes, "ms": ms,
-                "ms_eager": ms_eager, "bw": bw, "pct_copy": bw / copy_bw, "ms_gathered_sdpa": ms_base,
-                "ms_sdpa_only": ms_sdpa, "speedup_vs_gathered": ms_base / ms,
-                "bound_ms": kv_bytes / PEAK_BW * 1e3, "rel_err": err,
-            })
+            rows.append(
+                {
+                    "batch": batch,
+                    "ctx": ctx,
+                    "splits": splits,
+                    "kv_bytes": kv_bytes,
+                    "ms": ms,
+                    "ms_eager": ms_eager,
+                    "bw": bw,
+                    "pct_copy": bw / copy_bw,
+                    "ms_gathered_sdpa": ms_base,
+                    "ms_sdpa_only": ms_sdpa,
+                    "speedup_vs_gathered": ms_base / ms,
+                    "bound_ms": kv_bytes / PEAK_BW * 1e3,
+                    "rel_err": err,
+                }
+            )
     return rows
 
 
 def print_decode(rows: list[dict]) -> None:
     print("\n## Decode (Llama-3-8B heads 32q/8kv/128, bf16, block 16, one token per sequence)\n")
-    print("Times are CUDA-graph replays (as the engine runs decode), L2 flushed before each; "
-          "'eager' is one plain call from Python (launch overhead included).\n")
-    print("| batch | context | splits | KV MB | ours ms | KV GB/s | % of copy | gathered SDPA ms "
-          "| ours vs gathered | SDPA-only ms | bound ms | ours eager ms | rel err |")
+    print(
+        "Times are CUDA-graph replays (as the engine runs decode), L2 flushed before each; "
+        "'eager' is one plain call from Python (launch overhead included).\n"
+    )
+    print(
+        "| batch | context | splits | KV MB | ours ms | KV GB/s | % of copy | gathered SDPA ms "
+        "| ours vs gathered | SDPA-only ms | bound ms | ours eager ms | rel err |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['batch']} | {r['ctx']} | skipped ({r['skipped']}) ||||||||||||")
             continue
-        print(f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['kv_bytes'] / 1e6:.0f} | "
-              f"{r['ms']:.4f} | {r['bw'] / 1e9:.0f} | {100 * r['pct_copy']:.0f}% | "
-              f"{r['ms_gathered_sdpa']:.4f} | {r['speedup_vs_gathered']:.2f}x | "
-              f"{r['ms_sdpa_only']:.4f} | {r['bound_ms']:.4f} | {r['ms_eager']:.4f} | "
-              f"{r['rel_err']:.1e} |")
+        print(
+            f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['kv_bytes'] / 1e6:.0f} | "
+            f"{r['ms']:.4f} | {r['bw'] / 1e9:.0f} | {100 * r['pct_copy']:.0f}% | "
+            f"{r['ms_gathered_sdpa']:.4f} | {r['speedup_vs_gathered']:.2f}x | "
+            f"{r['ms_sdpa_only']:.4f} | {r['bound_ms']:.4f} | {r['ms_eager']:.4f} | "
+            f"{r['rel_err']:.1e} |"
+        )
 
 
 # ---- prefill ----------------------------------------------------------------------------------
@@ -232,8 +250,7 @@ def flash_sdpa(q, k, v, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 
 def run_prefill(cases: list[tuple[int, int]]) -> list[dict]:
@@ -261,12 +278,21 @@ def run_prefill(cases: list[tuple[int, int]]) -> list[dict]:
         ref = ref.transpose(1, 2).reshape(-1, HQ, D)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         ms_base = bench(functools.partial(flash_sdpa, q_b, k_b, v_b, scale))
-        rows.append({
-            "num_seqs": num_seqs, "seq_len": seq_len, "flops": flops, "ms": ms,
-            "tflops": flops / (ms * 1e-3) / 1e12, "ms_flash": ms_base,
-            "tflops_flash": flops / (ms_base * 1e-3) / 1e12, "ratio_vs_flash": ms_base / ms,
-            "bound_ms": flops / PEAK_FLOPS * 1e3, "rel_err": err, "baseline_gqa": gqa,
-        })
+        rows.append(
+            {
+                "num_seqs": num_seqs,
+                "seq_len": seq_len,
+                "flops": flops,
+                "ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+                "ms_flash": ms_base,
+                "tflops_flash": flops / (ms_base * 1e-3) / 1e12,
+                "ratio_vs_flash": ms_base / ms,
+                "bound_ms": flops / PEAK_FLOPS * 1e3,
+                "rel_err": err,
+                "baseline_gqa": gqa,
+            }
+        )
         del query, kc, vc, out, q_b, k_b, v_b
         torch.cuda.empty_cache()
     return rows
@@ -274,13 +300,17 @@ def run_prefill(cases: list[tuple[int, int]]) -> list[dict]:
 
 def print_prefill(rows: list[dict]) -> None:
     print("\n## Prefill (causal, no cached prefix; Llama-3-8B heads, bf16, block 16)\n")
-    print("| seqs x new tokens | ours ms | ours TFLOP/s | flash SDPA ms | flash TFLOP/s "
-          "| ours / flash (speed) | bound ms | rel err |")
+    print(
+        "| seqs x new tokens | ours ms | ours TFLOP/s | flash SDPA ms | flash TFLOP/s "
+        "| ours / flash (speed) | bound ms | rel err |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['num_seqs']} x {r['seq_len']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-              f"{r['ms_flash']:.3f} | {r['tflops_flash']:.0f} | {r['ratio_vs_flash']:.2f} | "
-              f"{r['bound_ms']:.3f} | {r['rel_err']:.1e} |")
+        print(
+            f"| {r['num_seqs']} x {r['seq_len']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+            f"{r['ms_flash']:.3f} | {r['tflops_flash']:.0f} | {r['ratio_vs_flash']:.2f} | "
+            f"{r['bound_ms']:.3f} | {r['rel_err']:.1e} |"
+        )
 
 
 def run_mixed() -> list[dict]:
@@ -291,8 +321,11 @@ def run_mixed() -> list[dict]:
     cases = [
         ("2k chunk over 6k prefix", [2048], [8192]),
         ("2k chunk over 6k prefix + 64 decodes at 4k", [2048] + [1] * 64, [8192] + [4096] * 64),
-        ("4 x 512-token chunks over 2k + 128 decodes at 2k", [512] * 4 + [1] * 128,
-         [2560] * 4 + [2048] * 128),
+        (
+            "4 x 512-token chunks over 2k + 128 decodes at 2k",
+            [512] * 4 + [1] * 128,
+            [2560] * 4 + [2048] * 128,
+        ),
     ]
     for name, q_lens, seq_lens in cases:
         query, kc, vc, meta = paged_batch(q_lens, seq_lens)
@@ -300,9 +333,15 @@ def run_mixed() -> list[dict]:
         ms = bench(functools.partial(paged_attention, query, kc, vc, meta, scale, out=out))
         flops = causal_flops(seq_lens, q_lens)
         kv_bytes = sum(seq_lens) * HKV * D * 2 * 2
-        rows.append({"case": name, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-                     "kv_bytes": kv_bytes,
-                     "bound_ms": max(flops / PEAK_FLOPS, kv_bytes / PEAK_BW) * 1e3})
+        rows.append(
+            {
+                "case": name,
+                "ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+                "kv_bytes": kv_bytes,
+                "bound_ms": max(flops / PEAK_FLOPS, kv_bytes / PEAK_BW) * 1e3,
+            }
+        )
         del query, kc, vc, out
         torch.cuda.empty_cache()
     return rows
@@ -353,42 +392,83 @@ def run_sweeps() -> dict:
         for bn, warps, stages in ((64, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3)):
             cfg = AttentionConfig(16, 16 // g, bn, warps, stages, one_tile_per_seq=True)
             try:
-                ms = bench_graph(functools.partial(paged_attention, query, kc, vc, meta, scale,
-                                                   out=out, config=cfg, num_kv_splits=1))
+                ms = bench_graph(
+                    functools.partial(
+                        paged_attention,
+                        query,
+                        kc,
+                        vc,
+                        meta,
+                        scale,
+                        out=out,
+                        config=cfg,
+                        num_kv_splits=1,
+                    )
+                )
             except Exception as e:  # noqa: BLE001 (out of resources etc.: record and go on)
                 ms = float("nan")
                 print(f"decode cfg {cfg} failed: {e}", file=sys.stderr)
-            res["decode_tiles"].append({"batch": batch, "ctx": ctx, "block_n": bn,
-                                        "warps": warps, "stages": stages, "ms": ms,
-                                        "gbps": 2 * batch * ctx * HKV * D * 2 / ms / 1e6})
+            res["decode_tiles"].append(
+                {
+                    "batch": batch,
+                    "ctx": ctx,
+                    "block_n": bn,
+                    "warps": warps,
+                    "stages": stages,
+                    "ms": ms,
+                    "gbps": 2 * batch * ctx * HKV * D * 2 / ms / 1e6,
+                }
+            )
         del query, kc, vc, out
     for batch, ctx in ((1, 8192), (1, 32768), (16, 2048), (16, 8192), (64, 2048), (64, 8192)):
         query, kc, vc, meta = paged_batch([1] * batch, [ctx] * batch)
         out = torch.empty_like(query)
         for splits in (1, 2, 4, 8, 16, 32):
-            ms = bench_graph(functools.partial(paged_attention, query, kc, vc, meta, scale,
-                                               out=out, num_kv_splits=splits))
-            res["decode_splits"].append({
-                "batch": batch, "ctx": ctx, "splits": splits, "ms": ms,
-                "gbps": 2 * batch * ctx * HKV * D * 2 / ms / 1e6,
-                "default": choose_num_kv_splits(batch, HKV, ctx, query.device)})
+            ms = bench_graph(
+                functools.partial(
+                    paged_attention, query, kc, vc, meta, scale, out=out, num_kv_splits=splits
+                )
+            )
+            res["decode_splits"].append(
+                {
+                    "batch": batch,
+                    "ctx": ctx,
+                    "splits": splits,
+                    "ms": ms,
+                    "gbps": 2 * batch * ctx * HKV * D * 2 / ms / 1e6,
+                    "default": choose_num_kv_splits(batch, HKV, ctx, query.device),
+                }
+            )
         del query, kc, vc, out
     seq_len = 8192
     query, kc, vc, meta = paged_batch([seq_len], [seq_len])
     out = torch.empty_like(query)
     flops = causal_flops([seq_len], [seq_len])
-    for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-                                  (64, 128, 4, 2)):
+    for bm, bn, warps, stages in (
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (64, 128, 4, 2),
+    ):
         cfg = AttentionConfig(bm, bm // g, bn, warps, stages, one_tile_per_seq=False)
         try:
-            ms = bench(functools.partial(paged_attention, query, kc, vc, meta, scale, out=out,
-                                         config=cfg))
+            ms = bench(
+                functools.partial(paged_attention, query, kc, vc, meta, scale, out=out, config=cfg)
+            )
         except Exception as e:  # noqa: BLE001
             ms = float("nan")
             print(f"prefill cfg {cfg} failed: {e}", file=sys.stderr)
-        res["prefill_tiles"].append({"seq_len": seq_len, "block_m": bm, "block_n": bn,
-                                     "warps": warps, "stages": stages, "ms": ms,
-                                     "tflops": flops / (ms * 1e-3) / 1e12})
+        res["prefill_tiles"].append(
+            {
+                "seq_len": seq_len,
+                "block_m": bm,
+                "block_n": bn,
+                "warps": warps,
+                "stages": stages,
+                "ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+            }
+        )
     return res
 
 
@@ -397,20 +477,26 @@ def print_sweeps(res: dict) -> None:
     print("| batch | ctx | BLOCK_N | warps | stages | ms | GB/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["decode_tiles"]:
-        print(f"| {r['batch']} | {r['ctx']} | {r['block_n']} | {r['warps']} | {r['stages']} | "
-              f"{r['ms']:.4f} | {r['gbps']:.0f} |")
+        print(
+            f"| {r['batch']} | {r['ctx']} | {r['block_n']} | {r['warps']} | {r['stages']} | "
+            f"{r['ms']:.4f} | {r['gbps']:.0f} |"
+        )
     print("\n## Sweep: decode KV splits (default tiles, CUDA-graph replay)\n")
     print("| batch | ctx | splits | default | ms | GB/s |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in res["decode_splits"]:
-        print(f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['default']} | {r['ms']:.4f} | "
-              f"{r['gbps']:.0f} |")
+        print(
+            f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['default']} | {r['ms']:.4f} | "
+            f"{r['gbps']:.0f} |"
+        )
     print("\n## Sweep: prefill tiles (1 x 8192)\n")
     print("| BLOCK_M | BLOCK_N | warps | stages | ms | TFLOP/s |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in res["prefill_tiles"]:
-        print(f"| {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} | "
-              f"{r['ms']:.3f} | {r['tflops']:.0f} |")
+        print(
+            f"| {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} | "
+            f"{r['ms']:.3f} | {r['tflops']:.0f} |"
+        )
 
 
 def main() -> None:
@@ -423,17 +509,26 @@ def main() -> None:
         sys.exit("evals/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    hw = {"gpu": props.name, "sms": props.multi_processor_count,
-          "memory_gb": props.total_memory / 1e9, "torch": torch.__version__,
-          "triton": triton.__version__, "python": platform.python_version()}
+    hw = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "memory_gb": props.total_memory / 1e9,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
     print("# hf_paged kernel benchmark\n")
-    print(f"Hardware: {hw['gpu']}, {hw['sms']} SMs, {hw['memory_gb']:.0f} GB; torch "
-          f"{hw['torch']}, triton {hw['triton']}. Medians (eager: do_bench warmup {WARMUP_MS} "
-          f"ms, rep {REP_MS} ms; decode: CUDA-graph replays). Bounds: bytes / "
-          f"{PEAK_BW / 1e12:.1f} TB/s, FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s.")
+    print(
+        f"Hardware: {hw['gpu']}, {hw['sms']} SMs, {hw['memory_gb']:.0f} GB; torch "
+        f"{hw['torch']}, triton {hw['triton']}. Medians (eager: do_bench warmup {WARMUP_MS} "
+        f"ms, rep {REP_MS} ms; decode: CUDA-graph replays). Bounds: bytes / "
+        f"{PEAK_BW / 1e12:.1f} TB/s, FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s."
+    )
     copy = copy_bandwidth()
-    print(f"\nCopy bandwidth (this run): {copy['bw'] / 1e12:.2f} TB/s "
-          f"({copy['bytes'] / 1e9:.1f} GB moved in {copy['ms']:.3f} ms)")
+    print(
+        f"\nCopy bandwidth (this run): {copy['bw'] / 1e12:.2f} TB/s "
+        f"({copy['bytes'] / 1e9:.1f} GB moved in {copy['ms']:.3f} ms)"
+    )
     results: dict = {"hardware": hw, "copy": copy}
     if args.sweep:
         results["sweeps"] = run_sweeps()
@@ -444,8 +539,16 @@ def main() -> None:
         batches, contexts = (1, 64, 256), (2048, 8192)
     results["decode"] = run_decode(batches, contexts, copy["bw"])
     print_decode(results["decode"])
-    prefill_cases = [(1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384), (4, 2048),
-                     (4, 4096), (8, 2048)]
+    prefill_cases = [
+        (1, 1024),
+        (1, 2048),
+        (1, 4096),
+        (1, 8192),
+        (1, 16384),
+        (4, 2048),
+        (4, 4096),
+        (8, 2048),
+    ]
     if args.quick:
         prefill_cases = [(1, 4096), (1, 16384), (4, 4096)]
     results["prefill"] = run_prefill(prefill_cases)
@@ -460,14 +563,20 @@ def main() -> None:
     print("\n## Targets\n")
     if tgt_dec:
         worst = min(r["pct_copy"] for r in tgt_dec)
-        print(f"- decode >= 75% of copy bandwidth (batch >= 64, ctx >= 2k): worst "
-              f"{100 * worst:.0f}% -> {'met' if worst >= 0.75 else 'NOT met'}")
+        print(
+            f"- decode >= 75% of copy bandwidth (batch >= 64, ctx >= 2k): worst "
+            f"{100 * worst:.0f}% -> {'met' if worst >= 0.75 else 'NOT met'}"
+        )
     slower = [r for r in dec if r["speedup_vs_gathered"] < 1.0]
-    print(f"- never slower than gathered SDPA: {len(slower)} of {len(dec)} decode shapes slower "
-          f"-> {'met' if not slower else 'NOT met'}")
+    print(
+        f"- never slower than gathered SDPA: {len(slower)} of {len(dec)} decode shapes slower "
+        f"-> {'met' if not slower else 'NOT met'}"
+    )
     worst_pf = min(r["ratio_vs_flash"] for r in results["prefill"])
-    print(f"- prefill >= 50% of flash SDPA: worst {100 * worst_pf:.0f}% -> "
-          f"{'met' if worst_pf >= 0.5 else 'NOT met'}")
+    print(
+        f"- prefill >= 50% of flash SDPA: worst {100 * worst_pf:.0f}% -> "
+        f"{'met' if worst_pf >= 0.5 else 'NOT met'}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

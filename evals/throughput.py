@@ -55,8 +55,15 @@ def metrics(run: BackendRun) -> dict:
 DEFAULT_CONCURRENCY = {"paged": 256, "hf": 64, "hf-cb": None}  # hf-cb: transformers' defaults
 
 
-def run_throughput(loaded, wl: Workload, backends: list[str], concurrencies: list[int | None],
-                   hw: Hardware, progress: bool = True, engine_options: dict | None = None) -> dict:
+def run_throughput(
+    loaded,
+    wl: Workload,
+    backends: list[str],
+    concurrencies: list[int | None],
+    hw: Hardware,
+    progress: bool = True,
+    engine_options: dict | None = None,
+) -> dict:
     """Every backend at every concurrency (None = that backend's default) on one workload."""
     runs = []
     for conc in concurrencies:
@@ -69,12 +76,17 @@ def run_throughput(loaded, wl: Workload, backends: list[str], concurrencies: lis
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    paged_conc = next((r["metrics"]["concurrency"] for r in runs
-                       if r["metrics"]["backend"] == "paged"), 256)
+    paged_conc = next(
+        (r["metrics"]["concurrency"] for r in runs if r["metrics"]["backend"] == "paged"), 256
+    )
     bound = workload_bound(model_costs(loaded.model), wl, paged_conc, hw)
-    return {"workload": {"name": wl.name, "summary": wl.summary(), "meta": wl.meta},
-            "hardware": {"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.flops},
-            "roofline": bound, "runs": runs, "ratios": ratios(runs)}
+    return {
+        "workload": {"name": wl.name, "summary": wl.summary(), "meta": wl.meta},
+        "hardware": {"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.flops},
+        "roofline": bound,
+        "runs": runs,
+        "ratios": ratios(runs),
+    }
 
 
 def ratios(runs: list[dict]) -> list[dict]:
@@ -88,9 +100,15 @@ def ratios(runs: list[dict]) -> list[dict]:
         if base == ours or base not in by_backend or ours not in by_backend:
             continue
         for a, b in zip(by_backend[ours], by_backend[base]):
-            out.append({"ours": ours, "baseline": base, "concurrency": a["concurrency"],
-                        "baseline_concurrency": b["concurrency"],
-                        "output_tok_s_ratio": a["output_tok_s"] / b["output_tok_s"]})
+            out.append(
+                {
+                    "ours": ours,
+                    "baseline": base,
+                    "concurrency": a["concurrency"],
+                    "baseline_concurrency": b["concurrency"],
+                    "output_tok_s_ratio": a["output_tok_s"] / b["output_tok_s"],
+                }
+            )
     return out
 
 
@@ -104,26 +122,59 @@ def _fmt(v, nd: int = 1) -> str:
 
 def format_table(result: dict, model_desc: str) -> str:
     wl, hw, bound = result["workload"], result["hardware"], result["roofline"]
-    lines = [f"## throughput: {wl['name']}", "",
-             f"- model: {model_desc}", f"- workload: {wl['summary']}",
-             f"- hardware: {hw['name']}", ""]
-    cols = ["backend", "conc", "req", "out tok/s", "total tok/s", "TTFT p50 ms", "TTFT p99 ms",
-            "TPOT p50 ms", "TPOT p99 ms", "peak mem GB", "KV use", "prefix hit", "wall s"]
+    lines = [
+        f"## throughput: {wl['name']}",
+        "",
+        f"- model: {model_desc}",
+        f"- workload: {wl['summary']}",
+        f"- hardware: {hw['name']}",
+        "",
+    ]
+    cols = [
+        "backend",
+        "conc",
+        "req",
+        "out tok/s",
+        "total tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "peak mem GB",
+        "KV use",
+        "prefix hit",
+        "wall s",
+    ]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["runs"]:
         m = r["metrics"]
-        pct = (lambda x: "n/a" if x is None else f"{100 * x:.0f}%")
-        row = [m["backend"], _fmt(m["concurrency"] or "auto"), str(m["num_requests"]),
-               _fmt(m["output_tok_s"]), _fmt(m["total_tok_s"]), _fmt(m["ttft_p50_ms"]),
-               _fmt(m["ttft_p99_ms"]), _fmt(m["tpot_p50_ms"], 2), _fmt(m["tpot_p99_ms"], 2),
-               _fmt(m["peak_memory_gb"], 2), pct(m["kv_usage"]), pct(m["prefix_cache_hit_rate"]),
-               _fmt(m["wall_s"], 2)]
+
+        def pct(x):
+            return "n/a" if x is None else f"{100 * x:.0f}%"
+
+        row = [
+            m["backend"],
+            _fmt(m["concurrency"] or "auto"),
+            str(m["num_requests"]),
+            _fmt(m["output_tok_s"]),
+            _fmt(m["total_tok_s"]),
+            _fmt(m["ttft_p50_ms"]),
+            _fmt(m["ttft_p99_ms"]),
+            _fmt(m["tpot_p50_ms"], 2),
+            _fmt(m["tpot_p99_ms"], 2),
+            _fmt(m["peak_memory_gb"], 2),
+            pct(m["kv_usage"]),
+            pct(m["prefix_cache_hit_rate"]),
+            _fmt(m["wall_s"], 2),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for r in result["ratios"]:
-        lines.append(f"- ratio {r['ours']} (c={r['concurrency'] or 'auto'}) / {r['baseline']} "
-                     f"(c={r['baseline_concurrency'] or 'auto'}): "
-                     f"**{r['output_tok_s_ratio']:.2f}x** output tokens/s")
+        lines.append(
+            f"- ratio {r['ours']} (c={r['concurrency'] or 'auto'}) / {r['baseline']} "
+            f"(c={r['baseline_concurrency'] or 'auto'}): "
+            f"**{r['output_tok_s_ratio']:.2f}x** output tokens/s"
+        )
     if bound.get("output_tok_s"):
         best = max(r["metrics"]["output_tok_s"] for r in result["runs"])
         lines.append(
@@ -131,11 +182,15 @@ def format_table(result: dict, model_desc: str) -> str:
             f"({bound['bound_by']}-bound: {bound['bytes'] / 1e9:,.1f} GB / "
             f"{hw['bandwidth'] / 1e12:.1f} TB/s = {bound['memory_s']:.3f} s, "
             f"{bound['flops'] / 1e12:,.1f} TFLOP / {hw['flops'] / 1e12:.0f} TFLOP/s = "
-            f"{bound['compute_s']:.3f} s); best backend at {100 * best / bound['output_tok_s']:.1f}%")
+            f"{bound['compute_s']:.3f} s); best backend at "
+            f"{100 * best / bound['output_tok_s']:.1f}%"
+        )
     else:
-        lines.append(f"- roofline bound: n/a on {hw['name']} (pass --bandwidth-gbs and --tflops "
-                     f"to compute it; workload moves {bound['bytes'] / 1e9:,.1f} GB and "
-                     f"{bound['flops'] / 1e12:,.2f} TFLOP)")
+        lines.append(
+            f"- roofline bound: n/a on {hw['name']} (pass --bandwidth-gbs and --tflops "
+            f"to compute it; workload moves {bound['bytes'] / 1e9:,.1f} GB and "
+            f"{bound['flops'] / 1e12:,.2f} TFLOP)"
+        )
     mem_kinds = {r["metrics"]["memory_kind"] for r in result["runs"]}
     lines.append(f"- peak memory: {', '.join(sorted(mem_kinds))}")
     return "\n".join(lines)

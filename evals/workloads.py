@@ -41,28 +41,44 @@ class Workload:
         n = len(self.requests)
         lens = [len(r.prompt_token_ids) for r in self.requests]
         outs = [r.max_new_tokens for r in self.requests]
-        return (f"{self.name}: {n} requests, prompt {min(lens)}-{max(lens)} "
-                f"(mean {sum(lens) / n:.0f}) tokens, output {min(outs)}-{max(outs)} "
-                f"(mean {sum(outs) / n:.0f}) tokens, EOS ignored"
-                + (f", concurrency {self.max_concurrency}" if self.max_concurrency else ""))
+        return (
+            f"{self.name}: {n} requests, prompt {min(lens)}-{max(lens)} "
+            f"(mean {sum(lens) / n:.0f}) tokens, output {min(outs)}-{max(outs)} "
+            f"(mean {sum(outs) / n:.0f}) tokens, EOS ignored"
+            + (f", concurrency {self.max_concurrency}" if self.max_concurrency else "")
+        )
 
     def limited(self, limit: int | None) -> Workload:
         if not limit or limit >= len(self.requests):
             return self
-        return Workload(self.name, self.requests[:limit], self.description,
-                        self.max_concurrency, dict(self.meta, limit=limit))
+        return Workload(
+            self.name,
+            self.requests[:limit],
+            self.description,
+            self.max_concurrency,
+            dict(self.meta, limit=limit),
+        )
 
     def with_max_new_tokens(self, n: int | None) -> Workload:
         if not n:
             return self
         reqs = [WorkloadRequest(r.prompt_token_ids, n) for r in self.requests]
-        return Workload(self.name, reqs, self.description, self.max_concurrency,
-                        dict(self.meta, max_new_tokens=n))
+        return Workload(
+            self.name,
+            reqs,
+            self.description,
+            self.max_concurrency,
+            dict(self.meta, max_new_tokens=n),
+        )
 
     def save(self, path: str | Path) -> None:
-        data = {"name": self.name, "description": self.description,
-                "max_concurrency": self.max_concurrency, "meta": self.meta,
-                "requests": [asdict(r) for r in self.requests]}
+        data = {
+            "name": self.name,
+            "description": self.description,
+            "max_concurrency": self.max_concurrency,
+            "meta": self.meta,
+            "requests": [asdict(r) for r in self.requests],
+        }
         Path(path).write_text(json.dumps(data))
 
 
@@ -70,12 +86,19 @@ def load_workload_file(path: str | Path, vocab_size: int | None = None) -> Workl
     """A workload saved by `run.py export-workload` (the GPU machine cannot fetch ShareGPT)."""
     try:
         data = json.loads(Path(path).read_text())
-        reqs = [WorkloadRequest(list(r["prompt_token_ids"]), int(r["max_new_tokens"]))
-                for r in data["requests"]]
+        reqs = [
+            WorkloadRequest(list(r["prompt_token_ids"]), int(r["max_new_tokens"]))
+            for r in data["requests"]
+        ]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise EvalError(f"cannot read workload file {path}: {exc}") from exc
-    wl = Workload(data.get("name", Path(path).stem), reqs, data.get("description", ""),
-                  data.get("max_concurrency"), data.get("meta", {}))
+    wl = Workload(
+        data.get("name", Path(path).stem),
+        reqs,
+        data.get("description", ""),
+        data.get("max_concurrency"),
+        data.get("meta", {}),
+    )
     return _fit_vocab(wl, vocab_size)
 
 
@@ -95,18 +118,34 @@ def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(16, vocab_size) for _ in range(n)]
 
 
-def synthetic(vocab_size: int, num_requests: int = 256, min_prompt: int = 64,
-              max_prompt: int = 512, output_len: int = 256, seed: int = 0) -> Workload:
+def synthetic(
+    vocab_size: int,
+    num_requests: int = 256,
+    min_prompt: int = 64,
+    max_prompt: int = 512,
+    output_len: int = 256,
+    seed: int = 0,
+) -> Workload:
     """W1 of GPU.md: random prompts of 64-512 tokens, 256 output tokens each."""
     rng = random.Random(seed)
-    reqs = [WorkloadRequest(_random_ids(rng, rng.randint(min_prompt, max_prompt), vocab_size),
-                            output_len) for _ in range(num_requests)]
-    return Workload("synthetic", reqs, "W1: random tokens, prompt 64-512, output 256",
-                    meta={"seed": seed})
+    reqs = [
+        WorkloadRequest(
+            _random_ids(rng, rng.randint(min_prompt, max_prompt), vocab_size), output_len
+        )
+        for _ in range(num_requests)
+    ]
+    return Workload(
+        "synthetic", reqs, "W1: random tokens, prompt 64-512, output 256", meta={"seed": seed}
+    )
 
 
-def sharegpt(tokenizer, num_requests: int = 1000, max_model_len: int = 2048, seed: int = 0,
-             vocab_size: int | None = None) -> Workload:
+def sharegpt(
+    tokenizer,
+    num_requests: int = 1000,
+    max_model_len: int = 2048,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> Workload:
     """Real prompt and reply lengths from ShareGPT, sampled like vLLM's benchmark: the first
     human turn is the prompt, the first reply's token count is max_new_tokens; pairs with fewer
     than 4 tokens on either side, prompts over 1024 or totals over min(2048, model length) are
@@ -118,7 +157,7 @@ def sharegpt(tokenizer, num_requests: int = 1000, max_model_len: int = 2048, see
     reqs: list[WorkloadRequest] = []
     batch = 256  # tokenize in batches: one call per row is ~5x slower
     for start in range(0, len(order), batch):
-        rows = ds.select(order[start:start + batch])
+        rows = ds.select(order[start : start + batch])
         prompts = tokenizer(list(rows["prompt"]), add_special_tokens=False)["input_ids"]
         replies = tokenizer(list(rows["completion"]), add_special_tokens=False)["input_ids"]
         for p, c in zip(prompts, replies):
@@ -126,46 +165,73 @@ def sharegpt(tokenizer, num_requests: int = 1000, max_model_len: int = 2048, see
                 continue
             reqs.append(WorkloadRequest(p, len(c)))
             if len(reqs) == num_requests:
-                wl = Workload("sharegpt", reqs, "ShareGPT real prompt/output lengths",
-                              meta={"seed": seed, "max_model_len": cap})
+                wl = Workload(
+                    "sharegpt",
+                    reqs,
+                    "ShareGPT real prompt/output lengths",
+                    meta={"seed": seed, "max_model_len": cap},
+                )
                 return _fit_vocab(wl, vocab_size)
     raise EvalError(f"ShareGPT has only {len(reqs)} usable conversations, {num_requests} asked")
 
 
-def shared_prefix(vocab_size: int, num_requests: int = 256, prefix_len: int = 1024,
-                  min_question: int = 16, max_question: int = 64, output_len: int = 64,
-                  seed: int = 0) -> Workload:
+def shared_prefix(
+    vocab_size: int,
+    num_requests: int = 256,
+    prefix_len: int = 1024,
+    min_question: int = 16,
+    max_question: int = 64,
+    output_len: int = 64,
+    seed: int = 0,
+) -> Workload:
     """One 1k-token system prompt shared by all requests plus a short random question each:
     measures prefix caching (ideal hit rate ~ prefix_len / prompt_len after the first)."""
     rng = random.Random(seed)
     prefix = _random_ids(rng, prefix_len, vocab_size)
-    reqs = [WorkloadRequest(prefix + _random_ids(rng, rng.randint(min_question, max_question),
-                                                 vocab_size), output_len)
-            for _ in range(num_requests)]
-    return Workload("shared-prefix", reqs, f"{prefix_len}-token shared system prompt",
-                    meta={"seed": seed, "prefix_len": prefix_len})
+    reqs = [
+        WorkloadRequest(
+            prefix + _random_ids(rng, rng.randint(min_question, max_question), vocab_size),
+            output_len,
+        )
+        for _ in range(num_requests)
+    ]
+    return Workload(
+        "shared-prefix",
+        reqs,
+        f"{prefix_len}-token shared system prompt",
+        meta={"seed": seed, "prefix_len": prefix_len},
+    )
 
 
-def batch1(vocab_size: int, num_requests: int = 8, prompt_len: int = 128, output_len: int = 128,
-           seed: int = 0) -> Workload:
+def batch1(
+    vocab_size: int,
+    num_requests: int = 8,
+    prompt_len: int = 128,
+    output_len: int = 128,
+    seed: int = 0,
+) -> Workload:
     """Latency at batch size 1: requests run one after another."""
     rng = random.Random(seed)
-    reqs = [WorkloadRequest(_random_ids(rng, prompt_len, vocab_size), output_len)
-            for _ in range(num_requests)]
+    reqs = [
+        WorkloadRequest(_random_ids(rng, prompt_len, vocab_size), output_len)
+        for _ in range(num_requests)
+    ]
     return Workload("batch1", reqs, "batch-1 latency", max_concurrency=1, meta={"seed": seed})
 
 
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "batch1")
 
 
-def build_workload(name: str, vocab_size: int, tokenizer_fn, max_model_len: int,
-                   seed: int = 0) -> Workload:
+def build_workload(
+    name: str, vocab_size: int, tokenizer_fn, max_model_len: int, seed: int = 0
+) -> Workload:
     """name: one of WORKLOADS or a workload JSON file. tokenizer_fn is called only when needed."""
     if name == "synthetic":
         return synthetic(vocab_size, seed=seed)
     if name == "sharegpt":
-        return sharegpt(tokenizer_fn(), max_model_len=max_model_len, seed=seed,
-                        vocab_size=vocab_size)
+        return sharegpt(
+            tokenizer_fn(), max_model_len=max_model_len, seed=seed, vocab_size=vocab_size
+        )
     if name == "shared-prefix":
         return shared_prefix(vocab_size, seed=seed)
     if name == "batch1":
@@ -181,5 +247,7 @@ def check_workload_name(name: str) -> None:
         if not Path(name).is_file():
             raise EvalError(f"workload file not found: {name}")
         return
-    raise EvalError(f"unknown dataset {name!r} for throughput: use one of "
-                    f"{', '.join(WORKLOADS)} or a workload .json file")
+    raise EvalError(
+        f"unknown dataset {name!r} for throughput: use one of "
+        f"{', '.join(WORKLOADS)} or a workload .json file"
+    )

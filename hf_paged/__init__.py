@@ -1,9 +1,9 @@
 """hf_paged: paged-attention continuous batching behind transformers' model.generate.
 
-    import hf_paged
-    hf_paged.patch(model)            # engine options as keyword arguments
-    model.generate(**inputs, max_new_tokens=64)
-    hf_paged.unpatch(model)
+import hf_paged
+hf_paged.patch(model)            # engine options as keyword arguments
+model.generate(**inputs, max_new_tokens=64)
+hf_paged.unpatch(model)
 """
 
 from hf_paged.config import EngineConfig
@@ -15,7 +15,13 @@ from hf_paged.request import RequestOutput
 from hf_paged.sampling_params import SamplingParams
 
 __all__ = [
-    "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "get_engine", "patch", "pipeline",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "get_engine",
+    "patch",
+    "pipeline",
     "unpatch",
 ]
 _install_pipeline_backend()  # transformers.pipeline(..., backend="paged"); no backend: unchanged

@@ -29,8 +29,14 @@ class AttentionBackend:
         raise NotImplementedError
 
     def paged_attention(
-        self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float,
-        sliding_window: int | None, softcap: float | None,
+        self,
+        query,
+        key_cache,
+        value_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -49,7 +55,9 @@ class TorchBackend(AttentionBackend):
     def paged_attention(self, query, key_cache, value_cache, meta, scale, sliding_window, softcap):
         from hf_paged.kernels import paged_attention_ref
 
-        return paged_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
+        return paged_attention_ref(
+            query, key_cache, value_cache, meta, scale, sliding_window, softcap
+        )
 
 
 class TritonBackend(AttentionBackend):
@@ -70,7 +78,12 @@ class TritonBackend(AttentionBackend):
 
     def paged_attention(self, query, key_cache, value_cache, meta, scale, sliding_window, softcap):
         return self._kernels.paged_attention(
-            query, key_cache, value_cache, meta, scale, sliding_window=sliding_window,
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            sliding_window=sliding_window,
             softcap=softcap,
         )
 
@@ -100,8 +113,16 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if not in_engine_step():  # a patched model called directly: exactly transformers' sdpa
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-            sliding_window=sliding_window, softcap=softcap, **kwargs,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
         )
     if query.shape[0] != 1:
         raise ValueError(f"paged attention expects the flat batch as one row, got {query.shape}")
@@ -144,8 +165,13 @@ def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
 
 
 def _paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
-    sliding_window: int, softcap: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """Write this step's K/V for one layer, then attend; [T, Hq, D] contiguous."""
     ctx = get_forward_context()
@@ -165,8 +191,13 @@ def _paged_attention(
 
 @torch.library.custom_op("hf_paged::paged_attention", mutates_args=())
 def _paged_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
-    sliding_window: int, softcap: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps

@@ -92,36 +92,55 @@ class BeamGroup:
         acc = (log_probs + self.running_scores[0, :, None]).reshape(1, -1)
         cur, plen = self.cur_len, self.prompt_len
         topk_lp, topk_seq, topk_idx = model._get_top_k_continuations(
-            accumulated_log_probs=acc, running_sequences=self.running,
-            running_beam_indices=self.running_indices, cur_len=cur, decoder_prompt_len=plen,
-            do_sample=False, beams_to_keep=self.beams_to_keep, num_beams=nb, batch_size=1,
+            accumulated_log_probs=acc,
+            running_sequences=self.running,
+            running_beam_indices=self.running_indices,
+            cur_len=cur,
+            decoder_prompt_len=plen,
+            do_sample=False,
+            beams_to_keep=self.beams_to_keep,
+            num_beams=nb,
+            batch_size=1,
         )
         hits = self._hits(topk_seq[0, :, : cur + 1])[None]
         self.running, self.running_scores, self.running_indices = (
             model._get_running_beams_for_next_iteration(
-                topk_log_probs=topk_lp, topk_running_sequences=topk_seq,
-                topk_running_beam_indices=topk_idx, next_token_hits_stopping_criteria=hits,
+                topk_log_probs=topk_lp,
+                topk_running_sequences=topk_seq,
+                topk_running_beam_indices=topk_idx,
+                next_token_hits_stopping_criteria=hits,
                 num_beams=nb,
             )
         )
         self.sequences, self.beam_scores, self.beam_indices, self.finished = (
             model._update_finished_beams(
-                sequences=self.sequences, topk_running_sequences=topk_seq,
-                beam_scores=self.beam_scores, topk_log_probs=topk_lp,
-                beam_indices=self.beam_indices, topk_running_beam_indices=topk_idx,
+                sequences=self.sequences,
+                topk_running_sequences=topk_seq,
+                beam_scores=self.beam_scores,
+                topk_log_probs=topk_lp,
+                beam_indices=self.beam_indices,
+                topk_running_beam_indices=topk_idx,
                 is_early_stop_heuristic_unsatisfied=self.heuristic_open,
-                is_sent_finished=self.finished, next_token_hits_stopping_criteria=hits,
-                top_num_beam_mask=self.top_mask, num_beams=nb, cur_len=cur,
-                decoder_prompt_len=plen, length_penalty=self.length_penalty,
+                is_sent_finished=self.finished,
+                next_token_hits_stopping_criteria=hits,
+                top_num_beam_mask=self.top_mask,
+                num_beams=nb,
+                cur_len=cur,
+                decoder_prompt_len=plen,
+                length_penalty=self.length_penalty,
                 early_stopping=self.early_stopping,
             )
         )
         self.cur_len = cur + 1
         self.heuristic_open = model._check_early_stop_heuristic(
             is_early_stop_heuristic_unsatisfied=self.heuristic_open,
-            running_beam_scores=self.running_scores, beam_scores=self.beam_scores,
-            is_sent_finished=self.finished, cur_len=self.cur_len, max_length=self.max_length,
-            decoder_prompt_len=plen, early_stopping=self.early_stopping,
+            running_beam_scores=self.running_scores,
+            beam_scores=self.beam_scores,
+            is_sent_finished=self.finished,
+            cur_len=self.cur_len,
+            max_length=self.max_length,
+            decoder_prompt_len=plen,
+            early_stopping=self.early_stopping,
             length_penalty=self.length_penalty,
         )
         more = model._beam_search_has_unfinished_sequences(
@@ -210,12 +229,17 @@ def beam_generate(engine, plan, batches) -> list:
 
 def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
     params = SamplingParams(
-        max_tokens=batch.max_new, min_tokens=max(batch.min_new, 0), temperature=0.0,
-        eos_token_id=plan.eos, repetition_penalty=float(plan.gen.repetition_penalty or 1.0),
+        max_tokens=batch.max_new,
+        min_tokens=max(batch.min_new, 0),
+        temperature=0.0,
+        eos_token_id=plan.eos,
+        repetition_penalty=float(plan.gen.repetition_penalty or 1.0),
         no_repeat_ngram_size=int(plan.gen.no_repeat_ngram_size or 0),
-        bad_words_ids=plan.gen.bad_words_ids, suppress_tokens=plan.gen.suppress_tokens,
+        bad_words_ids=plan.gen.bad_words_ids,
+        suppress_tokens=plan.gen.suppress_tokens,
         begin_suppress_tokens=plan.gen.begin_suppress_tokens,
-        logits_processors=plan.processors, beam_search=True,
+        logits_processors=plan.processors,
+        beam_search=True,
     )
     rid = engine.add_request(prompt, params)
     root = engine.scheduler.requests[rid]
@@ -224,9 +248,14 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
     # the other beams: pending siblings of the root (admission reserves their seats)
     siblings = []
     for j in range(1, nb):
-        s = dataclasses.replace(root, request_id=f"{rid}@{j}", all_token_ids=list(prompt),
-                                block_hashes=[], banned_token_ids=list(root.banned_token_ids),
-                                bad_word_prefixes=list(root.bad_word_prefixes))
+        s = dataclasses.replace(
+            root,
+            request_id=f"{rid}@{j}",
+            all_token_ids=list(prompt),
+            block_hashes=[],
+            banned_token_ids=list(root.banned_token_ids),
+            bad_word_prefixes=list(root.bad_word_prefixes),
+        )
         s.parent_request_id = rid
         s.beam = group
         engine.scheduler.requests[s.request_id] = s
@@ -250,10 +279,14 @@ def _outputs(gen, batch, groups: list[BeamGroup], nrs: int):
             indices.append(torch.where(idx >= 0, idx + g_i * nb, idx))
     gen_len = max(int((idx >= 0).sum()) for idx in indices)
     fill = groups[0].fill
-    new_tokens = torch.stack([
-        r[:gen_len] if len(r) >= gen_len else torch.cat([r, torch.full((gen_len - len(r),), fill)])
-        for r in rows
-    ])
+    new_tokens = torch.stack(
+        [
+            r[:gen_len]
+            if len(r) >= gen_len
+            else torch.cat([r, torch.full((gen_len - len(r),), fill)])
+            for r in rows
+        ]
+    )
     prompts = input_ids.repeat_interleave(nrs, dim=0)
     sequences = torch.cat([prompts, new_tokens.to(input_ids.device, input_ids.dtype)], dim=1)
     if not gen.return_dict_in_generate:
@@ -268,7 +301,9 @@ def _outputs(gen, batch, groups: list[BeamGroup], nrs: int):
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
         sequences_scores=torch.stack(seq_scores) if gen.output_scores else None,
-        scores=scores, logits=logits, beam_indices=beam_indices,
+        scores=scores,
+        logits=logits,
+        beam_indices=beam_indices,
     )
 
 

@@ -39,7 +39,8 @@ class KVCacheBlock:
     next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        cached = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={cached})"
 
 
 class FreeBlockQueue:
@@ -103,7 +104,7 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take blocks from the head of the free queue (least recently freed), evicting their hash."""
+        """Take blocks from the head of the free queue (least recently freed), evicting hashes."""
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise RuntimeError(
                 f"asked for {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free"

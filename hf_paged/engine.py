@@ -1,9 +1,9 @@
 """The engine: requests in, one scheduled step at a time, outputs out.
 
-    engine = Engine(model, tokenizer)
-    engine.add_request("Hello", SamplingParams(max_tokens=32, temperature=0))
-    while engine.has_unfinished_requests():
-        for out in engine.step(): ...
+engine = Engine(model, tokenizer)
+engine.add_request("Hello", SamplingParams(max_tokens=32, temperature=0))
+while engine.has_unfinished_requests():
+    for out in engine.step(): ...
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ class Engine:
         if not config.enable_chunked_prefill:
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
         self.runner = ModelRunner(model, config)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.kv)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.default_eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -74,7 +76,9 @@ class Engine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} already exists")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({self.config.max_num_seqs})")
+            raise ValueError(
+                f"n: {params.n} samples exceed max_num_seqs ({self.config.max_num_seqs})"
+            )
         prompt_ids = self._prompt_token_ids(prompt)
         n = len(prompt_ids)
         cfg = self.config
@@ -104,10 +108,16 @@ class Engine:
                 seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
                 generator = torch.Generator(device=self.runner.device).manual_seed(seed)
             request = Request(
-                request_id=rid, prompt_token_ids=prompt_ids, sampling_params=params,
-                eos_token_ids=frozenset(stop), max_total_tokens=max_total, priority=priority,
-                arrival_index=next(self._arrivals), generator=generator,
-                sibling_index=index, parent_request_id=None if index == 0 else request_id,
+                request_id=rid,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                eos_token_ids=frozenset(stop),
+                max_total_tokens=max_total,
+                priority=priority,
+                arrival_index=next(self._arrivals),
+                generator=generator,
+                sibling_index=index,
+                parent_request_id=None if index == 0 else request_id,
                 stop_checkers=list(stop_checkers) if stop_checkers else None,
             )
             set_bans(request, eos)
@@ -135,7 +145,9 @@ class Engine:
             raise ValueError("prompt is empty: at least one token is needed")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
         return ids
 
     def abort(self, request_id: str) -> None:
@@ -281,7 +293,9 @@ def _check_vocab(params: SamplingParams, vocab_size: int) -> None:
     for seq in params.bad_words_ids or ():
         bad = [t for t in seq if t >= vocab_size]
         if bad:  # as transformers' SequenceBiasLogitsProcessor
-            raise ValueError(f"bad_words_ids: token ids {bad} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"bad_words_ids: token ids {bad} outside the vocabulary [0, {vocab_size})"
+            )
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab_size}")
 
@@ -320,4 +334,3 @@ def _make_output(r: Request, num_new: int) -> RequestOutput:
         index=r.sibling_index,
         parent_request_id=r.parent_request_id,
     )
-

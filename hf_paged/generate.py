@@ -41,19 +41,53 @@ from hf_paged.streaming import LockstepStreamer
 
 # generate() keyword arguments the engine does not implement: refused, never ignored.
 UNSUPPORTED_ARGS = (
-    "prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids",
-    "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer", "inputs_embeds",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "assistant_tokenizer",
+    "inputs_embeds",
 )
 # GenerationConfig fields the engine honours (or that do not change the output).
 SUPPORTED_FIELDS = {
-    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
-    "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
-    "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "renormalize_logits",
-    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "stop_strings",
-    "max_time", "num_return_sequences", "output_scores", "output_logits", "num_beams",
-    "length_penalty", "early_stopping", "use_cache", "cache_implementation", "cache_config",
-    "return_dict_in_generate", "compile_config", "disable_compile", "transformers_version",
-    "_from_model_config", "is_assistant",
+    "max_length",
+    "max_new_tokens",
+    "min_length",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "renormalize_logits",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "decoder_start_token_id",
+    "stop_strings",
+    "max_time",
+    "num_return_sequences",
+    "output_scores",
+    "output_logits",
+    "num_beams",
+    "length_penalty",
+    "early_stopping",
+    "use_cache",
+    "cache_implementation",
+    "cache_config",
+    "return_dict_in_generate",
+    "compile_config",
+    "disable_compile",
+    "transformers_version",
+    "_from_model_config",
+    "is_assistant",
 }
 # A user processor of one of these types replaces the built-in one (transformers' merge rule);
 # each is handled by the SamplingParams field named here, which is then switched off.
@@ -110,15 +144,19 @@ def sampling_params_from_config(
     Warpers apply only with do_sample, as in transformers; greedy is temperature 0."""
     eos = _eos_list(gen.eos_token_id)
     kwargs = dict(
-        max_tokens=max_new_tokens, min_tokens=max(min_new_tokens, 0), eos_token_id=eos,
+        max_tokens=max_new_tokens,
+        min_tokens=max(min_new_tokens, 0),
+        eos_token_id=eos,
         repetition_penalty=float(gen.repetition_penalty or 1.0),
         no_repeat_ngram_size=int(gen.no_repeat_ngram_size or 0),
-        bad_words_ids=gen.bad_words_ids, suppress_tokens=gen.suppress_tokens,
+        bad_words_ids=gen.bad_words_ids,
+        suppress_tokens=gen.suppress_tokens,
         begin_suppress_tokens=gen.begin_suppress_tokens,
         renormalize_logits=bool(gen.renormalize_logits),
         output_scores=bool(gen.return_dict_in_generate and gen.output_scores),
         output_logits=bool(gen.return_dict_in_generate and gen.output_logits),
-        logits_processors=logits_processors or None, stopping_criteria=stopping_criteria or None,
+        logits_processors=logits_processors or None,
+        stopping_criteria=stopping_criteria or None,
         n=int(gen.num_return_sequences or 1) if (gen.num_beams or 1) == 1 else 1,
     )
     if not gen.do_sample:
@@ -126,7 +164,8 @@ def sampling_params_from_config(
     if gen.temperature is None or not gen.temperature > 0:
         raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature!r}")
     return SamplingParams(
-        temperature=float(gen.temperature), top_k=int(gen.top_k or 0),
+        temperature=float(gen.temperature),
+        top_k=int(gen.top_k or 0),
         top_p=float(1.0 if gen.top_p is None else gen.top_p),
         min_p=float(gen.min_p or 0.0),
         typical_p=float(1.0 if gen.typical_p is None else gen.typical_p),
@@ -368,4 +407,3 @@ def _assemble(gen, input_ids, new_tokens: list[list[int]], outputs, pad):
         if gen.output_logits:
             logits = _stack_steps([o.logits or [] for o in outputs], longest, filler)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
-

@@ -194,7 +194,7 @@ class KVCacheManager:
         return copies, changed
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first so its tail is evicted before its prefix."""
+        """Release the request's blocks, last first, so its tail is evicted before its prefix."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         self.req_to_block_ids.pop(rid, None)
@@ -209,7 +209,7 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if block accounting is inconsistent (used by tests after each run)."""
+        """Raise AssertionError if block accounting is inconsistent (tests call it after runs)."""
         pool = self.block_pool
         refs = [0] * pool.num_blocks
         for rid, blocks in self.req_to_blocks.items():

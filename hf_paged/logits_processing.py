@@ -79,9 +79,7 @@ def apply_typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, NEG_INF)
 
 
-def _subset(
-    scores: torch.Tensor, rows: list[int], fn, *values: list
-) -> torch.Tensor:
+def _subset(scores: torch.Tensor, rows: list[int], fn, *values: list) -> torch.Tensor:
     """Apply fn(sub_scores, *param_tensors) to the listed rows only (all rows: no gather)."""
     dev = scores.device
     tensors = [torch.tensor(v, device=dev) for v in values]
@@ -98,7 +96,9 @@ def apply_warpers(scores: torch.Tensor, requests: list[Request], rows: list[int]
     if any(t != 1.0 for t in temps):
         scores = _subset(scores, rows, lambda s, t: s / t.unsqueeze(-1), temps)
     for attr, off, fn in (
-        ("top_k", 0, apply_top_k), ("top_p", 1.0, apply_top_p), ("min_p", 0.0, apply_min_p),
+        ("top_k", 0, apply_top_k),
+        ("top_p", 1.0, apply_top_p),
+        ("min_p", 0.0, apply_min_p),
         ("typical_p", 1.0, apply_typical_p),
     ):
         sel = [(i, getattr(p, attr)) for i, p in zip(rows, ps) if getattr(p, attr) != off]
@@ -160,8 +160,10 @@ class TokenCountPool:
                 r.penalty_num_counted += len(fresh)
             slots.append(slot)
         if new_tokens:
-            idx = (torch.tensor(new_slots, device=self.device),
-                   torch.tensor(new_tokens, device=self.device).clamp(max=self.vocab_size - 1))
+            idx = (
+                torch.tensor(new_slots, device=self.device),
+                torch.tensor(new_tokens, device=self.device).clamp(max=self.vocab_size - 1),
+            )
             ones = torch.ones(len(new_tokens), dtype=torch.int32, device=self.device)
             self.output_counts.index_put_(idx, ones, accumulate=True)
         return torch.tensor(slots, device=self.device)
@@ -259,8 +261,10 @@ def _apply_bans(scores: torch.Tensor, requests: list[Request], feats: list[int])
     if rows:
         keep = [(i, t) for i, t in zip(rows, toks) if t < vocab]
         scores = scores.index_put(
-            (torch.tensor([i for i, _ in keep], dtype=torch.long, device=dev),
-             torch.tensor([t for _, t in keep], dtype=torch.long, device=dev)),
+            (
+                torch.tensor([i for i, _ in keep], dtype=torch.long, device=dev),
+                torch.tensor([t for _, t in keep], dtype=torch.long, device=dev),
+            ),
             torch.tensor(NEG_INF, dtype=scores.dtype, device=dev),
         )
     return scores

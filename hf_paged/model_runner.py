@@ -42,11 +42,15 @@ class KVCacheSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
-    def allocate(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate(
+        self, num_blocks: int, device: torch.device
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=device),
-             torch.zeros(shape, dtype=self.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.dtype, device=device),
+            )
             for _ in range(self.num_layers)
         ]
 
@@ -97,7 +101,9 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(
-            config.max_num_seqs, config.max_model_len, config.block_size,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.block_size,
             pin=self.device.type == "cuda",
         )
         self.graphs = None
@@ -120,7 +126,9 @@ class ModelRunner:
         blocks_per_seq = -(-cfg.max_model_len // self.block_size)
         if self.device.type != "cuda":
             # Enough for max_num_seqs full-length sequences, within cpu_kv_cache_bytes.
-            return max(1, min(cfg.cpu_kv_cache_bytes // per_block, cfg.max_num_seqs * blocks_per_seq))
+            return max(
+                1, min(cfg.cpu_kv_cache_bytes // per_block, cfg.max_num_seqs * blocks_per_seq)
+            )
         return self._profile_cuda_num_blocks(per_block)
 
     def _profile_cuda_num_blocks(self, per_block: int) -> int:
@@ -132,7 +140,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = cfg.max_num_batched_tokens
         seq_len = min(num_tokens, cfg.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        lens = [seq_len] * (num_tokens // seq_len) + (
+            [num_tokens % seq_len] if num_tokens % seq_len else []
+        )
         scratch_blocks = sum(-(-n // self.block_size) for n in lens)
         caches = self.spec.allocate(scratch_blocks, self.device)
         meta, positions = _profile_metadata(lens, self.block_size, self.device)
@@ -162,7 +172,9 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
         if self._logits_to_keep:
             out = self._model_forward(
-                input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
                 logits_to_keep=keep,
             )
             return out.logits[0]
@@ -217,8 +229,13 @@ class ModelRunner:
         row_of_token = rows[seq_of_token]
         bs = self.block_size
         return StepInputs(
-            rows=rows, starts=starts, num_sched=num_sched, seq_lens=seq_lens, qsl=qsl,
-            total_tokens=total_tokens, positions=positions,
+            rows=rows,
+            starts=starts,
+            num_sched=num_sched,
+            seq_lens=seq_lens,
+            qsl=qsl,
+            total_tokens=total_tokens,
+            positions=positions,
             input_ids=ib.token_ids[row_of_token, positions],
             slot_mapping=ib.block_table[row_of_token, positions // bs].astype(np.int64) * bs
             + positions % bs,
@@ -261,7 +278,9 @@ class ModelRunner:
 
         # Which rows of logits to compute: the last token of requests that reach the end of their
         # known tokens (they sample), plus every prompt position of prompt-logprob requests.
-        logprob_spans: list[tuple[Request, int, int, int]] = []  # (req, first pos, count, keep offset)
+        logprob_spans: list[
+            tuple[Request, int, int, int]
+        ] = []  # (req, first pos, count, keep offset)
         if not step.any_logprobs:
             sample_idx = np.flatnonzero(seq_lens == step.total_tokens)
             sample_rows = sample_idx.tolist()
@@ -284,7 +303,9 @@ class ModelRunner:
 
         dev = self.device
         if (
-            self.graphs is not None and step.decode_only and len(sample_rows) == num_seqs
+            self.graphs is not None
+            and step.decode_only
+            and len(sample_rows) == num_seqs
             and num_seqs <= self.graphs.max_batch_size
         ):
             logits = self.graphs.run(step)  # every row samples: logits for all, in order
@@ -345,4 +366,3 @@ def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
         seq_lens_host=list(lens),
     )
     return meta, torch.from_numpy(np.concatenate(positions)).to(device)
-

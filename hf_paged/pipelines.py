@@ -39,8 +39,9 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         for item in inputs:
             items.append(item)
             if len(items) >= window:
-                yield from self._run_many(items, preprocess_params, forward_params,
-                                          postprocess_params)
+                yield from self._run_many(
+                    items, preprocess_params, forward_params, postprocess_params
+                )
                 items = []
         if items:
             yield from self._run_many(items, preprocess_params, forward_params, postprocess_params)
@@ -52,8 +53,10 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
         if prefix_length:  # as transformers: a total length includes the prefix
             set_params = self._get_set_generation_params(generate_kwargs)
-            for length, new_tokens in (("max_length", "max_new_tokens"),
-                                       ("min_length", "min_new_tokens")):
+            for length, new_tokens in (
+                ("max_length", "max_new_tokens"),
+                ("min_length", "min_new_tokens"),
+            ):
                 if length in set_params and new_tokens not in set_params:
                     generate_kwargs[length] = set_params[length] + prefix_length
         pairs = []

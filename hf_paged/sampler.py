@@ -120,7 +120,10 @@ class Sampler:
 
 
 def record(
-    logits: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, requests: list[Request],
+    logits: torch.Tensor,
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    requests: list[Request],
     feats: list[int],
 ) -> None:
     """Keep what requests asked for. Rows are copied out in one gather per kind, so a kept row
@@ -130,7 +133,8 @@ def record(
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
     for attr, flag, source in (
-        ("output_scores", "output_scores", scores), ("output_logits", "output_logits", logits),
+        ("output_scores", "output_scores", scores),
+        ("output_logits", "output_logits", logits),
     ):
         chosen = [k for k, r in enumerate(reqs) if getattr(r.sampling_params, flag)]
         if not chosen:

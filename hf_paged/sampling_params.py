@@ -114,8 +114,9 @@ class SamplingParams:
                 setattr(self, name, _ints(name, ids))
         if self.bad_words_ids is not None:
             if not isinstance(self.bad_words_ids, (list, tuple)) or not self.bad_words_ids:
-                raise ValueError(f"bad_words_ids must be a non-empty list of lists, got "
-                                 f"{self.bad_words_ids!r}")
+                raise ValueError(
+                    f"bad_words_ids must be a non-empty list of lists, got {self.bad_words_ids!r}"
+                )
             for seq in self.bad_words_ids:
                 if not isinstance(seq, (list, tuple)):
                     raise ValueError(f"bad_words_ids must be a list of lists, got {seq!r} inside")

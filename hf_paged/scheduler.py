@@ -175,7 +175,8 @@ class Scheduler:
             # running when the parent's prompt is computed, so they count against max_num_seqs.
             reserved = sum(len(r.pending_siblings) for r in self.running if r.pending_siblings)
             while (
-                len(self.waiting) and budget > 0
+                len(self.waiting)
+                and budget > 0
                 and len(self.running) + reserved < self.max_num_seqs
             ):
                 request = self.waiting.peek()

@@ -32,7 +32,10 @@ def tiny_tokenizer(vocab_size: int = 256):
     core.pre_tokenizer = pre_tokenizers.Metaspace()
     core.decoder = decoders.Metaspace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
         chat_template=CHAT_TEMPLATE,
     )
 

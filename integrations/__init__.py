@@ -1,1 +1,1 @@
-"""Glue between hf_paged and transformers / peft / bitsandbytes (installed as hf_paged.integrations)."""
+"""Glue between hf_paged and transformers / peft / bitsandbytes (as hf_paged.integrations)."""

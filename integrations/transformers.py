@@ -16,7 +16,9 @@ def check_supported(model: torch.nn.Module) -> None:
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"model: {name} is not a transformers PreTrainedModel")
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"model: {name} is an encoder-decoder; hf_paged serves decoder-only models")
+        raise ValueError(
+            f"model: {name} is an encoder-decoder; hf_paged serves decoder-only models"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"model: {name} does not route attention through transformers' AttentionInterface "

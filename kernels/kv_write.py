@@ -97,7 +97,9 @@ def _write_kv_kernel(
 
 def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     if key.dim() != 3:
-        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
+        raise ValueError(
+            f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}"
+        )
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if key_cache.dim() != 4:
@@ -122,8 +124,12 @@ def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> No
         )
     if slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
-                    ("value_cache", value_cache)):
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+    ):
         if t.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{name} dtype must be float32/float16/bfloat16, got {t.dtype}")
         if t.stride(-1) != 1:
@@ -161,11 +167,22 @@ def write_kv(
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
         num_kv_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         PAGE_SIZE=key_cache.shape[1],
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,

@@ -363,24 +363,93 @@ def _paged_attention_kernel(
     if SLIDING:
         for t in range(t_lo, t_full_lo):  # window's lower edge
             acc, l_i, m_i = _attend_kv_tile(
-                acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, t * BLOCK_N,
-                seq_len, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, scale, softcap,
-                sliding_window, offs_n, offs_d, True, SLIDING, SOFTCAP, PAGE_SIZE, HEAD_DIM,
-                HEAD_DIM_PAD, DOT_PRECISION, DOT_UPCAST,
+                acc,
+                l_i,
+                m_i,
+                q,
+                q_pos,
+                k_head_ptr,
+                v_head_ptr,
+                bt_row_ptr,
+                t * BLOCK_N,
+                seq_len,
+                stride_kc_b,
+                stride_kc_s,
+                stride_vc_b,
+                stride_vc_s,
+                scale,
+                softcap,
+                sliding_window,
+                offs_n,
+                offs_d,
+                True,
+                SLIDING,
+                SOFTCAP,
+                PAGE_SIZE,
+                HEAD_DIM,
+                HEAD_DIM_PAD,
+                DOT_PRECISION,
+                DOT_UPCAST,
             )
     for t in range(t_full_lo, t_full_hi):  # interior
         acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, t * BLOCK_N,
-            seq_len, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, scale, softcap,
-            sliding_window, offs_n, offs_d, False, SLIDING, SOFTCAP, PAGE_SIZE, HEAD_DIM,
-            HEAD_DIM_PAD, DOT_PRECISION, DOT_UPCAST,
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_head_ptr,
+            v_head_ptr,
+            bt_row_ptr,
+            t * BLOCK_N,
+            seq_len,
+            stride_kc_b,
+            stride_kc_s,
+            stride_vc_b,
+            stride_vc_s,
+            scale,
+            softcap,
+            sliding_window,
+            offs_n,
+            offs_d,
+            False,
+            SLIDING,
+            SOFTCAP,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            DOT_PRECISION,
+            DOT_UPCAST,
         )
     for t in range(t_full_hi, t_hi):  # causal diagonal (and the partial last tile)
         acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, t * BLOCK_N,
-            seq_len, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, scale, softcap,
-            sliding_window, offs_n, offs_d, True, SLIDING, SOFTCAP, PAGE_SIZE, HEAD_DIM,
-            HEAD_DIM_PAD, DOT_PRECISION, DOT_UPCAST,
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_head_ptr,
+            v_head_ptr,
+            bt_row_ptr,
+            t * BLOCK_N,
+            seq_len,
+            stride_kc_b,
+            stride_kc_s,
+            stride_vc_b,
+            stride_vc_s,
+            scale,
+            softcap,
+            sliding_window,
+            offs_n,
+            offs_d,
+            True,
+            SLIDING,
+            SOFTCAP,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            DOT_PRECISION,
+            DOT_UPCAST,
         )
 
     # Rows with l == 0 are padding rows (never stored) or empty splits (weight 0 in the reduce).
@@ -388,8 +457,13 @@ def _paged_attention_kernel(
     o = acc / l_safe[:, None]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
-        wo_ptrs = (ws_o_ptr + tok[:, None] * stride_wo_t + head[:, None] * stride_wo_h
-                   + split_id * stride_wo_s + offs_d[None, :])
+        wo_ptrs = (
+            ws_o_ptr
+            + tok[:, None] * stride_wo_t
+            + head[:, None] * stride_wo_h
+            + split_id * stride_wo_s
+            + offs_d[None, :]
+        )
         tl.store(wo_ptrs, o, mask=row_valid[:, None])
         wl_ptrs = ws_lse_ptr + tok * stride_wl_t + head * stride_wl_h + split_id
         tl.store(wl_ptrs, lse, mask=row_valid)
@@ -425,17 +499,28 @@ def _reduce_splits_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     s_mask = offs_s < num_splits
-    lse = tl.load(ws_lse_ptr + tok * stride_wl_t + head * stride_wl_h + offs_s, mask=s_mask,
-                  other=float("-inf"))
+    lse = tl.load(
+        ws_lse_ptr + tok * stride_wl_t + head * stride_wl_h + offs_s,
+        mask=s_mask,
+        other=float("-inf"),
+    )
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # [SPLITS_PAD]; empty splits (lse = -inf) weigh 0
-    o_ptrs = (ws_o_ptr + tok * stride_wo_t + head * stride_wo_h + offs_s[:, None] * stride_wo_s
-              + offs_d[None, :])
+    o_ptrs = (
+        ws_o_ptr
+        + tok * stride_wo_t
+        + head * stride_wo_h
+        + offs_s[:, None] * stride_wo_s
+        + offs_d[None, :]
+    )
     o = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
     res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + offs_d,
-             res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + tok * stride_o_t + head * stride_o_h + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -478,8 +563,14 @@ def decode_config(queries_per_kv: int, head_dim: int) -> AttentionConfig:
     block_m = max(16, triton.next_power_of_2(queries_per_kv))
     # BLOCK_N 128: 98% of copy bandwidth at 64 x 8k on the H200, against 72-78% with 64 (sweep).
     block_n = 128 if head_dim <= 128 else 32
-    return AttentionConfig(block_m, block_m // queries_per_kv, block_n, num_warps=4,
-                           num_stages=3, one_tile_per_seq=True)
+    return AttentionConfig(
+        block_m,
+        block_m // queries_per_kv,
+        block_n,
+        num_warps=4,
+        num_stages=3,
+        one_tile_per_seq=True,
+    )
 
 
 def prefill_config(queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> AttentionConfig:
@@ -492,8 +583,9 @@ def prefill_config(queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> At
     else:  # head_dim 256: keep the accumulator and K/V stages within registers / shared memory
         block_m, block_n, warps, stages = 64, 32, 4, 2
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
-    return AttentionConfig(block_m, block_m // queries_per_kv, block_n, warps, stages,
-                           one_tile_per_seq=False)
+    return AttentionConfig(
+        block_m, block_m // queries_per_kv, block_n, warps, stages, one_tile_per_seq=False
+    )
 
 
 def select_config(
@@ -525,14 +617,19 @@ def choose_num_kv_splits(
 
 def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
     if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got "
-                         f"{tuple(query.shape)}")
+        raise ValueError(
+            f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}"
+        )
     if key_cache.dim() != 4:
-        raise ValueError("key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)}")
+        raise ValueError(
+            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key_cache.shape)}"
+        )
     if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
-                         f"{tuple(key_cache.shape)}")
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
+            f"{tuple(key_cache.shape)}"
+        )
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, kv_head_dim = key_cache.shape
     if kv_head_dim != head_dim:
@@ -540,8 +637,9 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
     if head_dim > _HEAD_DIMS_MAX or head_dim < 16:
         raise ValueError(f"query head_dim must be in [16, {_HEAD_DIMS_MAX}], got {head_dim}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of key_cache kv heads "
-                         f"({num_kv_heads})")
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a multiple of key_cache kv heads ({num_kv_heads})"
+        )
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"key_cache block_size must be a power of 2, got {block_size}")
     if query.dtype not in _FLOAT_DTYPES:
@@ -558,8 +656,9 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
         tensors.append(("out", out))
     for name, t in tensors:
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim (stride(-1) == 1), got "
-                             f"strides {t.stride()}")
+            raise ValueError(
+                f"{name} must be contiguous in head_dim (stride(-1) == 1), got strides {t.stride()}"
+            )
     num_seqs = meta.seq_lens.shape[0] if meta.seq_lens.dim() == 1 else -1
     int_specs = (
         ("meta.query_start_loc", meta.query_start_loc, (num_seqs + 1,)),
@@ -567,16 +666,21 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
     )
     for name, t, shape in int_specs:
         if t.dim() != 1 or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (num_seqs={num_seqs}), got "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape {shape} (num_seqs={num_seqs}), got {tuple(t.shape)}"
+            )
     bt = meta.block_table
     if bt.dim() != 2 or bt.shape[0] != num_seqs:
-        raise ValueError(f"meta.block_table must be [num_seqs={num_seqs}, max_blocks], got "
-                         f"{tuple(bt.shape)}")
+        raise ValueError(
+            f"meta.block_table must be [num_seqs={num_seqs}, max_blocks], got {tuple(bt.shape)}"
+        )
     if bt.shape[1] > 0 and bt.stride(1) != 1:
         raise ValueError(f"meta.block_table must be contiguous along blocks, strides {bt.stride()}")
-    for name, t in (("meta.query_start_loc", meta.query_start_loc),
-                    ("meta.seq_lens", meta.seq_lens), ("meta.block_table", bt)):
+    for name, t in (
+        ("meta.query_start_loc", meta.query_start_loc),
+        ("meta.seq_lens", meta.seq_lens),
+        ("meta.block_table", bt),
+    ):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
         if not t.is_contiguous() and t.dim() == 1:
@@ -625,34 +729,99 @@ def paged_attention(
     if config is not None:
         if config.block_q < 1 or config.block_m < config.block_q * group:
             raise ValueError(f"config {config} cannot hold {group} query heads per kv head")
-        _launch(query, key_cache, value_cache, meta, scale, sliding_window, softcap, out, config,
-                num_kv_splits or 1, q_filter=0, short_q=0, zero_fill=True)
+        _launch(
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            out,
+            config,
+            num_kv_splits or 1,
+            q_filter=0,
+            short_q=0,
+            zero_fill=True,
+        )
         return out
 
     dec = decode_config(group, head_dim)
     if meta.max_query_len <= dec.block_q:  # decode-only (or short speculative verifies)
         splits = num_kv_splits or choose_num_kv_splits(
-            meta.seq_lens.shape[0], num_kv_heads, meta.max_seq_len, query.device)
-        _launch(query, key_cache, value_cache, meta, scale, sliding_window, softcap, out, dec,
-                splits, q_filter=0, short_q=0, zero_fill=True)
+            meta.seq_lens.shape[0], num_kv_heads, meta.max_seq_len, query.device
+        )
+        _launch(
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            out,
+            dec,
+            splits,
+            q_filter=0,
+            short_q=0,
+            zero_fill=True,
+        )
         return out
 
     pre = prefill_config(group, head_dim, query.dtype)
     qsl_host = meta.query_start_loc_host
     has_short = qsl_host is None or any(
-        b - a <= dec.block_q for a, b in itertools.pairwise(qsl_host))
-    _launch(query, key_cache, value_cache, meta, scale, sliding_window, softcap, out, pre, 1,
-            q_filter=2 if has_short else 0, short_q=dec.block_q, zero_fill=True)
+        b - a <= dec.block_q for a, b in itertools.pairwise(qsl_host)
+    )
+    _launch(
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        out,
+        pre,
+        1,
+        q_filter=2 if has_short else 0,
+        short_q=dec.block_q,
+        zero_fill=True,
+    )
     if has_short:
         # no split here: the reduce runs per token and would clobber the prefill rows
-        _launch(query, key_cache, value_cache, meta, scale, sliding_window, softcap, out, dec, 1,
-                q_filter=1, short_q=dec.block_q, zero_fill=False)
+        _launch(
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            sliding_window,
+            softcap,
+            out,
+            dec,
+            1,
+            q_filter=1,
+            short_q=dec.block_q,
+            zero_fill=False,
+        )
     return out
 
 
 def _launch(
-    query, key_cache, value_cache, meta, scale, sliding_window, softcap, out,
-    cfg: AttentionConfig, num_splits: int, q_filter: int, short_q: int, zero_fill: bool,
+    query,
+    key_cache,
+    value_cache,
+    meta,
+    scale,
+    sliding_window,
+    softcap,
+    out,
+    cfg: AttentionConfig,
+    num_splits: int,
+    q_filter: int,
+    short_q: int,
+    zero_fill: bool,
 ) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -675,8 +844,9 @@ def _launch(
     if split:
         # one allocation for both partials: f32 [T, Hq, S, D_pad] outputs, then [T, Hq, S] lse
         n_o = num_tokens * num_q_heads * num_splits * head_dim_pad
-        ws = torch.empty(n_o + num_tokens * num_q_heads * num_splits, dtype=torch.float32,
-                         device=query.device)
+        ws = torch.empty(
+            n_o + num_tokens * num_q_heads * num_splits, dtype=torch.float32, device=query.device
+        )
         ws_o = ws[:n_o].view(num_tokens, num_q_heads, num_splits, head_dim_pad)
         ws_lse = ws[n_o:].view(num_tokens, num_q_heads, num_splits)
     else:
@@ -685,16 +855,38 @@ def _launch(
     # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
     upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
     _paged_attention_kernel[grid](
-        out, ws_o, ws_lse, query, key_cache, value_cache,
-        meta.block_table, meta.seq_lens, meta.query_start_loc,
-        num_seqs, num_tokens, num_tile_programs, num_splits,
-        float(scale), float(softcap) if capped else 1.0, int(sliding_window) if sliding else 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out,
+        ws_o,
+        ws_lse,
+        query,
+        key_cache,
+        value_cache,
+        meta.block_table,
+        meta.seq_lens,
+        meta.query_start_loc,
+        num_seqs,
+        num_tokens,
+        num_tile_programs,
+        num_splits,
+        float(scale),
+        float(softcap) if capped else 1.0,
+        int(sliding_window) if sliding else 0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         meta.block_table.stride(0),
-        ws_o.stride(0), ws_o.stride(1), ws_o.stride(2) if split else 0,
-        ws_lse.stride(0), ws_lse.stride(1),
+        ws_o.stride(0),
+        ws_o.stride(1),
+        ws_o.stride(2) if split else 0,
+        ws_lse.stride(0),
+        ws_lse.stride(1),
         QUERIES_PER_KV=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -717,11 +909,19 @@ def _launch(
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out, ws_o, ws_lse, meta.query_start_loc,
-            num_seqs, num_splits,
-            out.stride(0), out.stride(1),
-            ws_o.stride(0), ws_o.stride(1), ws_o.stride(2),
-            ws_lse.stride(0), ws_lse.stride(1),
+            out,
+            ws_o,
+            ws_lse,
+            meta.query_start_loc,
+            num_seqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            ws_o.stride(0),
+            ws_o.stride(1),
+            ws_o.stride(2),
+            ws_lse.stride(0),
+            ws_lse.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),

@@ -8,9 +8,17 @@ import transformers
 
 VOCAB = 256
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+    tie_word_embeddings=False,
 )
 
 # name -> (config class, model class, overrides). Each exercises something different.
@@ -18,16 +26,29 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),  # window < prompts
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norms, head_dim != hidden/heads
-    "gemma2": (  # logit softcapping, alternating sliding-window layers, query_pre_attn_scalar scaling
-        "Gemma2Config", "Gemma2ForCausalLM",
-        {"sliding_window": 20, "head_dim": 16, "query_pre_attn_scalar": 24,
-         "attn_logit_softcapping": 0.5, "final_logit_softcapping": 15.0},
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {"head_dim": 32},
+    ),  # q/k norms, head_dim != hidden/heads
+    # logit softcapping, alternating sliding-window layers, query_pre_attn_scalar scaling
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "sliding_window": 20,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 15.0,
+        },
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 4}),  # fused qkv, MHA
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # norms after attention
     "gpt_neox": (  # partial rotary, fused qkv, no GQA
-        "GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5, "num_key_value_heads": 4},
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {"rotary_pct": 0.5, "num_key_value_heads": 4},
     ),
 }
 
@@ -44,8 +65,15 @@ def build_model(arch: str, dtype=torch.float32, seed: int = 0, **overrides) -> t
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
         for name, param in model.named_parameters():
-            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "qkv_proj.weight",
-                                       "query_key_value.weight")):
+            if any(
+                k in name
+                for k in (
+                    "q_proj.weight",
+                    "k_proj.weight",
+                    "qkv_proj.weight",
+                    "query_key_value.weight",
+                )
+            ):
                 param.mul_(4.0)
     return model
 

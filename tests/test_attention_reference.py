@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_paged.kernels import paged_attention_ref, write_kv_ref
 
 from hf_paged.forward_context import AttentionMetadata
-from hf_paged.kernels import paged_attention_ref, write_kv_ref
 
 
 def _scatter_into_cache(seqs_k, seqs_v, block_size, num_blocks, seed=0):
@@ -67,9 +67,12 @@ def test_reference_equals_dense(seq_lens, q_lens, hq, hkv, window, softcap):
     kc, vc, table = _scatter_into_cache(ks, vs, bs, num_blocks=64)
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=table, slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=table,
+        slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
     )
     out = paged_attention_ref(torch.cat(qs), kc, vc, meta, 0.3, window, softcap)
     ref = torch.cat([_dense(q, k, v, 0.3, window, softcap) for q, k, v in zip(qs, ks, vs)])

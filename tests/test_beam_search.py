@@ -24,8 +24,9 @@ CONFIGS = {
     "plain": dict(num_beams=3),
     "return_sequences": dict(num_beams=4, num_return_sequences=3, length_penalty=0.5),
     "early_stopping": dict(num_beams=3, early_stopping=True, length_penalty=2.0),
-    "never": dict(num_beams=2, early_stopping="never", repetition_penalty=1.3,
-                  no_repeat_ngram_size=2),
+    "never": dict(
+        num_beams=2, early_stopping="never", repetition_penalty=1.3, no_repeat_ngram_size=2
+    ),
 }
 
 
@@ -36,8 +37,14 @@ def test_beam_search_matches_transformers(name, tiny_model, batch_factory):
     greedy = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=9)
     new = greedy[:, ids.shape[1] :]
     eos = [int(new[0, 3]), int(new[1, 5]), int(new[2, 2])]  # hypotheses finish at different steps
-    gen = dict(CONFIGS[name], max_new_tokens=9, eos_token_id=eos, pad_token_id=0,
-               return_dict_in_generate=True, output_scores=True)
+    gen = dict(
+        CONFIGS[name],
+        max_new_tokens=9,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     ref, out, _ = _both(model, ids, mask, **gen)
     assert type(out) is type(ref)
     assert torch.equal(out.sequences, ref.sequences)
@@ -49,8 +56,15 @@ def test_beam_search_matches_transformers(name, tiny_model, batch_factory):
 def test_beam_scores_logits_and_transition_scores(tiny_model, batch_factory):
     model = tiny_model("qwen2")
     ids, mask = batch_factory([6, 4], seed=5)
-    gen = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, return_dict_in_generate=True,
-               output_scores=True, output_logits=True, eos_token_id=None)
+    gen = dict(
+        num_beams=3,
+        num_return_sequences=2,
+        max_new_tokens=6,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        eos_token_id=None,
+    )
     ref, out, _ = _both(model, ids, mask, **gen)
     assert torch.equal(out.sequences, ref.sequences)
     assert len(out.scores) == len(ref.scores) == len(out.logits)
@@ -68,15 +82,18 @@ def test_beams_share_blocks_and_other_requests_keep_going(tiny_model):
     prompt = torch.arange(3, 40)[None]  # 37 tokens, block_size 8: 4 full blocks + a partial
     ref = model.generate(prompt, do_sample=False, num_beams=4, max_new_tokens=6, eos_token_id=None)
     other = [7, 8, 9, 10]
-    other_ref = model.generate(torch.tensor([other]), do_sample=False, max_new_tokens=20,
-                               eos_token_id=None)[0, 4:].tolist()
+    other_ref = model.generate(
+        torch.tensor([other]), do_sample=False, max_new_tokens=20, eos_token_id=None
+    )[0, 4:].tolist()
     hf_paged.patch(model, block_size=8, enable_prefix_caching=False)
     try:
         engine = hf_paged.get_engine(model)
-        rid = engine.add_request(other, SamplingParams(max_tokens=20, temperature=0,
-                                                       ignore_eos=True))
-        out = model.generate(prompt, do_sample=False, num_beams=4, max_new_tokens=6,
-                             eos_token_id=None)
+        rid = engine.add_request(
+            other, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        )
+        out = model.generate(
+            prompt, do_sample=False, num_beams=4, max_new_tokens=6, eos_token_id=None
+        )
         # 4 beams x 43 tokens would need 4 x 6 = 24 blocks unshared; plus the other request
         assert engine.stats()["peak_blocks_used"] <= 4 + 4 * 2 + 3
         rest = []

@@ -46,8 +46,12 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     others = [_prompt(n, seed=n) for n in (5, 60, 33)]
     batch = engine.generate(
         [others[0], prompt, others[1], others[2]],
-        [SamplingParams(max_tokens=30), params, SamplingParams(max_tokens=8, seed=7),
-         SamplingParams(max_tokens=12, temperature=0)],
+        [
+            SamplingParams(max_tokens=30),
+            params,
+            SamplingParams(max_tokens=8, seed=7),
+            SamplingParams(max_tokens=12, temperature=0),
+        ],
     )
     assert batch[1].output_token_ids == alone
     other_seed = SamplingParams(max_tokens=24, temperature=1.3, top_k=40, top_p=0.95, seed=99)
@@ -189,13 +193,19 @@ def test_generate_refuses_options_it_cannot_honour(tiny_model, batch_factory):
     hf_paged.patch(model)
     try:
         with pytest.raises(ValueError, match="diversity_penalty"):
-            model.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
-                           diversity_penalty=1.0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                num_beams=4,
+                num_beam_groups=2,
+                diversity_penalty=1.0,
+            )
         with pytest.raises(ValueError, match="epsilon_cutoff"):
             model.generate(input_ids=ids, attention_mask=mask, do_sample=True, epsilon_cutoff=0.1)
         with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
-            model.generate(input_ids=ids, attention_mask=mask,
-                           prefix_allowed_tokens_fn=lambda b, s: [3])
+            model.generate(
+                input_ids=ids, attention_mask=mask, prefix_allowed_tokens_fn=lambda b, s: [3]
+            )
         with pytest.raises(ValueError, match="row 1 is empty"):
             model.generate(input_ids=ids, attention_mask=torch.tensor([[1] * 6, [0] * 6]))
         with pytest.raises(ValueError, match="temperature"):

@@ -15,16 +15,21 @@ from hf_paged import Engine, SamplingParams
 def test_random_engine_schedules_keep_invariants(seed, tiny_model):
     rnd = random.Random(seed)
     engine = Engine(
-        tiny_model("llama"), max_num_seqs=rnd.choice([3, 5, 8]), block_size=4,
-        num_blocks=rnd.choice([16, 20, 28]), max_num_batched_tokens=rnd.choice([8, 16, 64]),
+        tiny_model("llama"),
+        max_num_seqs=rnd.choice([3, 5, 8]),
+        block_size=4,
+        num_blocks=rnd.choice([16, 20, 28]),
+        max_num_batched_tokens=rnd.choice([8, 16, 64]),
         scheduling_policy=rnd.choice(["fcfs", "priority"]),
     )
     added: list[str] = []
     for _ in range(rnd.randint(4, 9)):
         prompt = [rnd.randrange(3, 256) for _ in range(rnd.randint(1, 40))]
         params = SamplingParams(
-            max_tokens=rnd.randint(1, 20), n=rnd.choice([1, 1, 2, 3]),
-            temperature=rnd.choice([0.0, 1.0]), seed=rnd.choice([None, 5]),
+            max_tokens=rnd.randint(1, 20),
+            n=rnd.choice([1, 1, 2, 3]),
+            temperature=rnd.choice([0.0, 1.0]),
+            seed=rnd.choice([None, 5]),
             repetition_penalty=rnd.choice([1.0, 1.3]),
         )
         added.append(engine.add_request(prompt, params, priority=rnd.randint(0, 3)))

@@ -23,17 +23,24 @@ def smollm2():
 
 def test_greedy_parity_float32_is_exact(smollm2):
     # Engine.generate, and the user's path: hf_paged.patch + model.generate (left padding).
-    results = accuracy.greedy_parity(smollm2.model, smollm2.tokenizer, n=3, max_new_tokens=8,
-                                     max_prompt_tokens=96, progress=False,
-                                     vias=("paged", "generate"))
+    results = accuracy.greedy_parity(
+        smollm2.model,
+        smollm2.tokenizer,
+        n=3,
+        max_new_tokens=8,
+        max_prompt_tokens=96,
+        progress=False,
+        vias=("paged", "generate"),
+    )
     for r in results:
         assert r["token_match_rate"] == 1.0, (r["via"], r["divergences"])
         assert r["first_divergence"] is None
 
 
 def test_perplexity_matches_transformers(smollm2):
-    r = accuracy.perplexity(smollm2.model, smollm2.tokenizer, num_windows=2, window=128,
-                            progress=False)
+    r = accuracy.perplexity(
+        smollm2.model, smollm2.tokenizer, num_windows=2, window=128, progress=False
+    )
     assert r["num_tokens"] == 2 * 127
     assert 5 < r["ppl_hf"] < 500  # real weights on Shakespeare: ~37 on long windows
     assert r["rel_diff"] < 1e-3, r
@@ -47,8 +54,20 @@ def test_date_understanding_same_choices(smollm2):
 
 
 def test_accuracy_cli_table(tmp_path, capsys):
-    rc = run.main(["accuracy", "--dataset", "shakespeare", "--limit", "1", "--window", "64",
-                   "--no-progress", "--out", str(tmp_path)])
+    rc = run.main(
+        [
+            "accuracy",
+            "--dataset",
+            "shakespeare",
+            "--limit",
+            "1",
+            "--window",
+            "64",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "| perplexity (hamlet_gut) | float32 |" in out

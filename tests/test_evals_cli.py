@@ -22,18 +22,21 @@ roofline = importlib.import_module("hf_paged_evals.roofline")
 models = importlib.import_module("hf_paged_evals.models")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["accuracy", "--dataset", "nope"], "unknown dataset 'nope'"),
-    (["throughput", "--dataset", "nope"], "unknown dataset 'nope'"),
-    (["throughput", "--dataset", "/no/such/workload.json"], "workload file not found"),
-    (["throughput", "--model", "/no/such/model"], "model path not found"),
-    (["throughput", "--model", "not-a-model"], "unknown model 'not-a-model'"),
-    (["throughput", "--backend", "vllm"], "unknown backend 'vllm'"),
-    (["accuracy", "--dtype", "float8"], "unknown dtype 'float8'"),
-    (["accuracy", "--dataset", "TMP/bad.jsonl"], "as JSON lines"),
-    (["accuracy", "--dataset", "TMP/cols.jsonl"], "needs a prompt, text or input/choices"),
-    (["accuracy", "--backend", "vllm"], "accuracy backend 'vllm'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["accuracy", "--dataset", "nope"], "unknown dataset 'nope'"),
+        (["throughput", "--dataset", "nope"], "unknown dataset 'nope'"),
+        (["throughput", "--dataset", "/no/such/workload.json"], "workload file not found"),
+        (["throughput", "--model", "/no/such/model"], "model path not found"),
+        (["throughput", "--model", "not-a-model"], "unknown model 'not-a-model'"),
+        (["throughput", "--backend", "vllm"], "unknown backend 'vllm'"),
+        (["accuracy", "--dtype", "float8"], "unknown dtype 'float8'"),
+        (["accuracy", "--dataset", "TMP/bad.jsonl"], "as JSON lines"),
+        (["accuracy", "--dataset", "TMP/cols.jsonl"], "needs a prompt, text or input/choices"),
+        (["accuracy", "--backend", "vllm"], "accuracy backend 'vllm'"),
+    ],
+)
 def test_bad_input_is_one_error_line(argv, message, capsys, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{broken\n')
     (tmp_path / "cols.jsonl").write_text('{"a": 1}\n')
@@ -60,13 +63,21 @@ def test_script_entry_point_error_line(tmp_path):
     # As users run it: the script's folder must not shadow anything (evals/kernels.py vs the
     # PyPI `kernels` package that transformers probes), and no traceback on bad input.
     env = dict(os.environ, HF_PAGED_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, str(EVALS / "run.py"), "throughput", "--dataset",
-                           "nope"], check=False, capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(EVALS / "run.py"), "throughput", "--dataset", "nope"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        ("error: unknown dataset 'nope' for throughput: use one of synthetic, sharegpt, "
-         "shared-prefix, batch1 or a workload .json file")]
+        (
+            "error: unknown dataset 'nope' for throughput: use one of synthetic, sharegpt, "
+            "shared-prefix, batch1 or a workload .json file"
+        )
+    ]
 
 
 def test_truncated_json_array_parses_whole_objects():

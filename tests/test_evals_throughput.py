@@ -18,12 +18,30 @@ pytestmark = pytest.mark.slow
 def test_throughput_all_backends_side_by_side(tmp_path, capsys):
     workloads = importlib.import_module("hf_paged_evals.workloads")
     # Short prompts through a workload file (the route the GPU machine uses for ShareGPT).
-    wl = workloads.Workload("tiny", [workloads.WorkloadRequest(list(range(100, 100 + n)), 4)
-                                     for n in (12, 30)])
+    wl = workloads.Workload(
+        "tiny", [workloads.WorkloadRequest(list(range(100, 100 + n)), 4) for n in (12, 30)]
+    )
     wl.save(tmp_path / "tiny.json")
-    rc = run.main(["throughput", "--model", "smollm2", "--dtype", "float32", "--device", "cpu",
-                   "--backend", "paged,hf,hf-cb", "--dataset", str(tmp_path / "tiny.json"),
-                   "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path)])
+    rc = run.main(
+        [
+            "throughput",
+            "--model",
+            "smollm2",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--backend",
+            "paged,hf,hf-cb",
+            "--dataset",
+            str(tmp_path / "tiny.json"),
+            "--max-new-tokens",
+            "4",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     for row in ("| paged |", "| hf |", "| hf-cb |", "ratio paged", "roofline bound: n/a"):
@@ -44,8 +62,14 @@ def test_shared_prefix_hits_prefix_cache():
     loaded = models.load_model("smollm2", "float32", "cpu")
     # A 64-token shared prefix (4 full blocks) instead of 1024 keeps CPU CI fast; one request
     # at a time, so the 2nd and 3rd find the 1st's blocks cached.
-    wl = workloads.shared_prefix(loaded.model.config.vocab_size, num_requests=3, prefix_len=64,
-                                 min_question=4, max_question=8, output_len=2)
+    wl = workloads.shared_prefix(
+        loaded.model.config.vocab_size,
+        num_requests=3,
+        prefix_len=64,
+        min_question=4,
+        max_question=8,
+        output_len=2,
+    )
     wl.max_concurrency = 1
     run_ = backends.run_paged(loaded.model, wl, concurrency=1, progress=False)
     assert [t.output_len for t in run_.timings] == [2, 2, 2]

@@ -54,8 +54,13 @@ GREEDY_OPTIONS = {
     "eos_token_id_list": dict(eos_token_id=None, pad_token_id=0),
     "max_length": dict(max_length=17),
     "renormalize_logits": dict(renormalize_logits=True, repetition_penalty=1.2),
-    "combined": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, suppress_tokens=[4, 5, 6],
-                     min_new_tokens=3, eos_token_id=None),
+    "combined": dict(
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=3,
+        suppress_tokens=[4, 5, 6],
+        min_new_tokens=3,
+        eos_token_id=None,
+    ),
 }
 
 
@@ -121,17 +126,28 @@ def test_mixed_batch_each_row_its_own_options(llama):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 13, 4, 9, 20, 7)]
     rows = [
         (dict(), SamplingParams(max_tokens=14, temperature=0)),
-        (dict(repetition_penalty=1.6), SamplingParams(max_tokens=14, temperature=0,
-                                                      repetition_penalty=1.6)),
-        (dict(no_repeat_ngram_size=2), SamplingParams(max_tokens=14, temperature=0,
-                                                      no_repeat_ngram_size=2)),
-        (dict(suppress_tokens=list(range(100, 180))),
-         SamplingParams(max_tokens=14, temperature=0, suppress_tokens=list(range(100, 180)))),
-        (dict(max_new_tokens=6, min_new_tokens=4, eos_token_id=[7, 9, 11]),
-         SamplingParams(max_tokens=6, min_tokens=4, temperature=0, eos_token_id=[7, 9, 11])),
-        (dict(bad_words_ids=[[50], [60, 61]], repetition_penalty=0.8),
-         SamplingParams(max_tokens=14, temperature=0, bad_words_ids=[[50], [60, 61]],
-                        repetition_penalty=0.8)),
+        (
+            dict(repetition_penalty=1.6),
+            SamplingParams(max_tokens=14, temperature=0, repetition_penalty=1.6),
+        ),
+        (
+            dict(no_repeat_ngram_size=2),
+            SamplingParams(max_tokens=14, temperature=0, no_repeat_ngram_size=2),
+        ),
+        (
+            dict(suppress_tokens=list(range(100, 180))),
+            SamplingParams(max_tokens=14, temperature=0, suppress_tokens=list(range(100, 180))),
+        ),
+        (
+            dict(max_new_tokens=6, min_new_tokens=4, eos_token_id=[7, 9, 11]),
+            SamplingParams(max_tokens=6, min_tokens=4, temperature=0, eos_token_id=[7, 9, 11]),
+        ),
+        (
+            dict(bad_words_ids=[[50], [60, 61]], repetition_penalty=0.8),
+            SamplingParams(
+                max_tokens=14, temperature=0, bad_words_ids=[[50], [60, 61]], repetition_penalty=0.8
+            ),
+        ),
     ]
     engine = Engine(llama, block_size=8, max_num_batched_tokens=24)  # chunked prefill too
     outs = engine.generate(prompts, [p for _, p in rows])
@@ -150,8 +166,14 @@ def test_presence_and_frequency_penalties_follow_vllm(llama):
     engine = Engine(llama)
     prompt = [5, 6, 7, 8]
     base = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0]
-    params = SamplingParams(max_tokens=10, temperature=0, presence_penalty=0.5,
-                            frequency_penalty=0.7, output_scores=True, output_logits=True)
+    params = SamplingParams(
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.7,
+        output_scores=True,
+        output_logits=True,
+    )
     out = engine.generate([prompt], params)[0]
     counts = torch.zeros(256)
     for raw, score, tok in zip(out.logits, out.scores, out.output_token_ids):
@@ -166,8 +188,10 @@ def test_top_n_logprobs_are_the_raw_distribution(llama):
     engine = Engine(llama)
     prompt = [9, 8, 7]
     out = engine.generate(
-        [prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, output_logits=True,
-                                 repetition_penalty=2.0)
+        [prompt],
+        SamplingParams(
+            max_tokens=4, temperature=0, logprobs=3, output_logits=True, repetition_penalty=2.0
+        ),
     )[0]
     assert len(out.logprobs) == 4
     for entry, raw, tok in zip(out.logprobs, out.logits, out.output_token_ids):
@@ -204,8 +228,9 @@ def test_bad_option_values_name_the_field(kwargs, field):
 
 def test_bad_requests_do_not_leak_and_others_finish(llama):
     engine = Engine(llama, block_size=8)
-    ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, repetition_penalty=1.2,
-                                                      temperature=0))
+    ok = engine.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=6, repetition_penalty=1.2, temperature=0)
+    )
     engine.step()
     with pytest.raises(ValueError, match="bad_words_ids"):
         engine.add_request([5], SamplingParams(bad_words_ids=[[300]]))

@@ -23,9 +23,16 @@ def test_scores_logits_and_transition_scores_match(tiny_model, batch_factory):
     ids, mask = batch_factory([6, 10, 3], seed=21)
     plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
     eos = int(plain[1, ids.shape[1] + 4])  # row 1 stops early
-    gen = dict(do_sample=False, max_new_tokens=10, return_dict_in_generate=True,
-               output_scores=True, output_logits=True, repetition_penalty=1.3,
-               eos_token_id=eos, pad_token_id=0)
+    gen = dict(
+        do_sample=False,
+        max_new_tokens=10,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        repetition_penalty=1.3,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
     ref, out = _both(model, ids, mask, **gen)
     assert type(out) is type(ref)
     assert torch.equal(out.sequences, ref.sequences)
@@ -54,9 +61,17 @@ def test_sampled_scores_are_the_warped_logits(tiny_model, batch_factory):
     ids, mask = batch_factory([4, 7], seed=22)
     hf_paged.patch(model)
     try:
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.8,
-                             top_k=10, max_new_tokens=5, return_dict_in_generate=True,
-                             output_scores=True, output_logits=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=0.8,
+            top_k=10,
+            max_new_tokens=5,
+            return_dict_in_generate=True,
+            output_scores=True,
+            output_logits=True,
+        )
     finally:
         hf_paged.unpatch(model)
     for scores, logits in zip(out.scores, out.logits):

@@ -28,8 +28,13 @@ WARPERS = {
     "typical_p": (dict(typical_p=0.7), [TypicalLogitsWarper(0.7)]),
     "all": (
         dict(temperature=1.4, top_k=15, top_p=0.95, min_p=0.02, typical_p=0.9),
-        [TemperatureLogitsWarper(1.4), TopKLogitsWarper(15), TopPLogitsWarper(0.95),
-         MinPLogitsWarper(0.02), TypicalLogitsWarper(0.9)],
+        [
+            TemperatureLogitsWarper(1.4),
+            TopKLogitsWarper(15),
+            TopPLogitsWarper(0.95),
+            MinPLogitsWarper(0.02),
+            TypicalLogitsWarper(0.9),
+        ],
     ),
 }
 
@@ -67,10 +72,16 @@ def test_draws_follow_transformers_warpers(name):
 def test_mixed_rows_get_their_own_warpers():
     torch.manual_seed(2)
     logits = torch.randn(4, VOCAB) * 2
-    rows = [dict(temperature=0), dict(top_k=3), dict(min_p=0.3, temperature=0.5),
-            dict(typical_p=0.5)]
-    reqs = [Request(str(i), [3], SamplingParams(**kw, output_scores=True), frozenset(), 10)
-            for i, kw in enumerate(rows)]
+    rows = [
+        dict(temperature=0),
+        dict(top_k=3),
+        dict(min_p=0.3, temperature=0.5),
+        dict(typical_p=0.5),
+    ]
+    reqs = [
+        Request(str(i), [3], SamplingParams(**kw, output_scores=True), frozenset(), 10)
+        for i, kw in enumerate(rows)
+    ]
     Sampler(torch.device("cpu"))(logits.clone(), reqs)
     refs = [
         logits[0],
@@ -85,14 +96,17 @@ def test_mixed_rows_get_their_own_warpers():
 def test_seeded_requests_reproduce_across_batches(tiny_model):
     engine = Engine(tiny_model("llama"))
     prompt = [7, 8, 9, 10]
-    params = SamplingParams(max_tokens=12, temperature=0.9, min_p=0.05, typical_p=0.95,
-                            repetition_penalty=1.1, seed=42)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.9, min_p=0.05, typical_p=0.95, repetition_penalty=1.1, seed=42
+    )
     alone = engine.generate([prompt], params)[0].output_token_ids
-    mixed = engine.generate([[3, 4], prompt, [5] * 30],
-                            [SamplingParams(max_tokens=5), params, SamplingParams(seed=1)])
+    mixed = engine.generate(
+        [[3, 4], prompt, [5] * 30], [SamplingParams(max_tokens=5), params, SamplingParams(seed=1)]
+    )
     assert mixed[1].output_token_ids == alone
-    other = SamplingParams(max_tokens=12, temperature=0.9, min_p=0.05, typical_p=0.95,
-                           repetition_penalty=1.1, seed=43)
+    other = SamplingParams(
+        max_tokens=12, temperature=0.9, min_p=0.05, typical_p=0.95, repetition_penalty=1.1, seed=43
+    )
     assert engine.generate([prompt], other)[0].output_token_ids != alone
 
 
@@ -141,9 +155,15 @@ def test_num_return_sequences_in_generate(tiny_model, batch_factory):
     hf_paged.patch(model)
     try:
         torch.manual_seed(0)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=6,
-                             num_return_sequences=3, return_dict_in_generate=True,
-                             output_scores=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=6,
+            num_return_sequences=3,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
         assert out.sequences.shape == (6, ids.shape[1] + 6)
         assert torch.equal(out.sequences[:, : ids.shape[1]], ids.repeat_interleave(3, dim=0))
         assert len(out.scores) == 6 and out.scores[0].shape == (6, 256)

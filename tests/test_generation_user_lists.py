@@ -49,11 +49,16 @@ def test_custom_processor_and_criteria_match_transformers(tiny_model):
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(3, 256, (3, 9), generator=g)  # equal lengths: no padding anywhere
-    plain = model.generate(ids, do_sample=False, max_new_tokens=12,
-                           logits_processor=[BanOddAfterLength(13)])
+    plain = model.generate(
+        ids, do_sample=False, max_new_tokens=12, logits_processor=[BanOddAfterLength(13)]
+    )
     stop = int(plain[1, 9 + 5])
-    gen = dict(max_new_tokens=12, logits_processor=[BanOddAfterLength(13)],
-               stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]), pad_token_id=0)
+    gen = dict(
+        max_new_tokens=12,
+        logits_processor=[BanOddAfterLength(13)],
+        stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]),
+        pad_token_id=0,
+    )
     ref, out = _both(model, ids, **gen)
     assert torch.equal(out, ref)
     assert (ref[:, 9 + 4 + 1 :] % 2 == 0).all()  # the processor bit
@@ -63,10 +68,15 @@ def test_custom_processor_and_criteria_match_transformers(tiny_model):
 def test_custom_builtin_types_replace_the_builtin(tiny_model):
     model = tiny_model("qwen2")
     ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(9))
-    gen = dict(max_new_tokens=10, repetition_penalty=1.1,
-               logits_processor=[RepetitionPenaltyLogitsProcessor(2.5)],
-               stopping_criteria=[MaxLengthCriteria(max_length=12),
-                                  EosTokenCriteria(eos_token_id=[200, 201])])
+    gen = dict(
+        max_new_tokens=10,
+        repetition_penalty=1.1,
+        logits_processor=[RepetitionPenaltyLogitsProcessor(2.5)],
+        stopping_criteria=[
+            MaxLengthCriteria(max_length=12),
+            EosTokenCriteria(eos_token_id=[200, 201]),
+        ],
+    )
     ref, out = _both(model, ids, **gen)
     assert ref.shape[1] <= 12
     assert torch.equal(out, ref)
@@ -79,14 +89,19 @@ def test_engine_rows_with_their_own_processors(tiny_model):
     params = [
         SamplingParams(max_tokens=8, temperature=0, logits_processors=[BanOddAfterLength(6)]),
         SamplingParams(max_tokens=8, temperature=0),
-        SamplingParams(max_tokens=8, temperature=0, stopping_criteria=[StopOnToken(-5)],
-                       logits_processors=[BanOddAfterLength(0)]),
+        SamplingParams(
+            max_tokens=8,
+            temperature=0,
+            stopping_criteria=[StopOnToken(-5)],
+            logits_processors=[BanOddAfterLength(0)],
+        ),
     ]
     outs = engine.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
         lp = p.logits_processors or []
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
-                             logits_processor=lp)[0, len(prompt) :]
+        ref = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=8, logits_processor=lp
+        )[0, len(prompt) :]
         assert out.output_token_ids == ref.tolist()
     assert all(t % 2 == 0 for t in outs[2].output_token_ids)
 
@@ -100,8 +115,11 @@ def test_criteria_receive_scores_when_kept(tiny_model):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     engine = Engine(tiny_model("llama"))
-    engine.generate([[4, 5, 6]], SamplingParams(max_tokens=3, temperature=0,
-                                                stopping_criteria=[Spy()]))
-    engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2, temperature=0, output_scores=True,
-                                                stopping_criteria=[Spy()]))
+    engine.generate(
+        [[4, 5, 6]], SamplingParams(max_tokens=3, temperature=0, stopping_criteria=[Spy()])
+    )
+    engine.generate(
+        [[4, 5, 6]],
+        SamplingParams(max_tokens=2, temperature=0, output_scores=True, stopping_criteria=[Spy()]),
+    )
     assert seen == [((1, 4), None), ((1, 5), None), ((1, 4), 1)]

@@ -15,9 +15,16 @@ import hf_paged
 pytestmark = pytest.mark.gpu
 
 SHAPE = dict(
-    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
 )
 
 
@@ -100,7 +107,10 @@ def test_bf16_agreement_with_transformers_and_torch_backend():
     new = slice(ids.shape[1], None)
     rate_hf = (tri[:, new] == ref[:, new]).all(dim=1).float().mean().item()
     rate_torch = (tri[:, new] == torch_b[:, new]).all(dim=1).float().mean().item()
-    print(f"bf16 identical sequences: vs transformers {rate_hf:.0%}, vs torch backend {rate_torch:.0%}")
+    print(
+        f"bf16 identical sequences: vs transformers {rate_hf:.0%}, "
+        f"vs torch backend {rate_torch:.0%}"
+    )
     # Random bf16 weights leave near-tied logits, and one flipped token changes the rest of the
     # row: measured on the H200 (4 layers, 16 rows x 48 tokens) 25% identical rows vs
     # transformers and 19% vs the torch backend, while the fp32 test above is exact. A systematic

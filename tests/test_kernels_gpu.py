@@ -27,8 +27,18 @@ HQ, HKV, D = 32, 8, 128
 TOL = {torch.bfloat16: (2e-2, 2e-2, 1e-2), torch.float16: (3e-3, 5e-3, 2e-3)}
 
 
-def build(q_lens, seq_lens, dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=16,
-          num_blocks=None, high_block_ids=False, seed=0):
+def build(
+    q_lens,
+    seq_lens,
+    dtype,
+    num_q_heads=HQ,
+    num_kv_heads=HKV,
+    head_dim=D,
+    block_size=16,
+    num_blocks=None,
+    high_block_ids=False,
+    seed=0,
+):
     """Paged batch on the GPU; the context is written with write_kv (so write_kv is exercised at
     real sizes too), the rest of the cache is NaN."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -48,8 +58,7 @@ def build(q_lens, seq_lens, dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
         key_cache.fill_(float("nan"))
         value_cache.fill_(float("nan"))
     max_blocks = max(blocks_per_seq) + 1
-    block_table = torch.full((len(seq_lens), max_blocks), 2**30, dtype=torch.int32,
-                             device="cuda")
+    block_table = torch.full((len(seq_lens), max_blocks), 2**30, dtype=torch.int32, device="cuda")
     slots = []
     pos = 0
     for i, (n, s) in enumerate(zip(blocks_per_seq, seq_lens)):
@@ -79,12 +88,29 @@ def build(q_lens, seq_lens, dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
     return query, key_cache, value_cache, meta
 
 
-def check(query, key_cache, value_cache, meta, dtype, sliding_window=None, softcap=None,
-          num_kv_splits=None):
+def check(
+    query,
+    key_cache,
+    value_cache,
+    meta,
+    dtype,
+    sliding_window=None,
+    softcap=None,
+    num_kv_splits=None,
+):
     scale = query.shape[-1] ** -0.5
     out = torch.full_like(query, float("nan"))
-    paged_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap, out=out,
-                    num_kv_splits=num_kv_splits)
+    paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        out=out,
+        num_kv_splits=num_kv_splits,
+    )
     ref = paged_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any(), "NaN in output (unwritten element or NaN leak)"
@@ -121,8 +147,9 @@ def test_prefill_8k_single_sequence():
 
 @pytest.mark.parametrize("num_kv_splits", [None, 16])
 def test_long_context_split_kv(num_kv_splits):
-    check(*build([1, 1], [32768, 20000], torch.bfloat16), torch.bfloat16,
-          num_kv_splits=num_kv_splits)
+    check(
+        *build([1, 1], [32768, 20000], torch.bfloat16), torch.bfloat16, num_kv_splits=num_kv_splits
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,14 +164,25 @@ def test_sliding_window_and_softcap(dtype):
 
 @pytest.mark.parametrize(
     "num_q_heads, num_kv_heads, head_dim, block_size",
-    [(8, 8, 64, 16), (28, 4, 128, 32), (14, 2, 64, 64), (32, 4, 80, 16), (12, 12, 96, 32),
-     (16, 8, 256, 16), (32, 32, 128, 16)],
+    [
+        (8, 8, 64, 16),
+        (28, 4, 128, 32),
+        (14, 2, 64, 64),
+        (32, 4, 80, 16),
+        (12, 12, 96, 32),
+        (16, 8, 256, 16),
+        (32, 32, 128, 16),
+    ],
 )
 def test_head_configs(num_q_heads, num_kv_heads, head_dim, block_size):
     q_lens = [700, 1, 1, 64]
     seq_lens = [900, 3000, 17, 64]
-    kw = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-          "block_size": block_size}
+    kw = {
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+    }
     check(*build(q_lens, seq_lens, torch.bfloat16, **kw), torch.bfloat16)
     decode = build([1] * 8, [5000] * 8, torch.float16, **kw)
     check(*decode, torch.float16)

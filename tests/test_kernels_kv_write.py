@@ -20,7 +20,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton.language as tl
+import triton.language as tl  # noqa: E402 (after TRITON_INTERPRET)
 
 kv_write_mod = importlib.import_module("hf_paged.kernels.kv_write")
 
@@ -41,9 +41,15 @@ def test_module_in_fresh_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # cwd tests/: `python -m` puts cwd on sys.path, and the repo root must never be there
     here = Path(__file__).resolve()
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(here), "-q", "-p",
-                           "no:cacheprovider"], cwd=here.parent, env=env, capture_output=True, check=False,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider"],
+        cwd=here.parent,
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=900,
+    )
     # 0 = tests collected and all passed (5 would be "no tests ran")
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
@@ -54,8 +60,17 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _case(num_tokens, num_kv_heads, head_dim, num_blocks, block_size, in_dtype, cache_dtype,
-          pad_every=3, seed=0):
+def _case(
+    num_tokens,
+    num_kv_heads,
+    head_dim,
+    num_blocks,
+    block_size,
+    in_dtype,
+    cache_dtype,
+    pad_every=3,
+    seed=0,
+):
     gen = torch.Generator().manual_seed(seed)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(in_dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(in_dtype)
@@ -79,8 +94,9 @@ def test_runs_on_cpu_in_interpreter():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(2, 64, 16), (3, 80, 32),
-                                                                 (1, 96, 16), (8, 128, 64)])
+@pytest.mark.parametrize(
+    "num_kv_heads, head_dim, block_size", [(2, 64, 16), (3, 80, 32), (1, 96, 16), (8, 128, 64)]
+)
 def test_matches_ref(dtype, num_kv_heads, head_dim, block_size):
     key, value, kc, vc, slots = _case(11, num_kv_heads, head_dim, 4, block_size, dtype, dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -140,8 +156,10 @@ def _args():
         (lambda k, v, kc, vc, s: (k, v, kc, vc, s[:2]), "slot_mapping must be"),
         (lambda k, v, kc, vc, s: (k.int(), v, kc, vc, s), "key dtype"),
         (lambda k, v, kc, vc, s: (k, v, kc.double(), vc.double(), s), "key_cache dtype"),
-        (lambda k, v, kc, vc, s: (k.transpose(1, 2).contiguous().transpose(1, 2), v, kc, vc, s),
-         "key must be contiguous in head_dim"),
+        (
+            lambda k, v, kc, vc, s: (k.transpose(1, 2).contiguous().transpose(1, 2), v, kc, vc, s),
+            "key must be contiguous in head_dim",
+        ),
     ],
 )
 def test_wrapper_errors(mutate, match):

@@ -23,9 +23,9 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton.language as tl
+import triton.language as tl  # noqa: E402 (after TRITON_INTERPRET)
 
-from hf_paged.forward_context import AttentionMetadata
+from hf_paged.forward_context import AttentionMetadata  # noqa: E402
 
 # import_module, not `import ... as`: the package re-exports a function named paged_attention,
 # which shadows the submodule as an attribute.
@@ -49,9 +49,15 @@ def test_module_in_fresh_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # cwd tests/: `python -m` puts cwd on sys.path, and the repo root must never be there
     here = Path(__file__).resolve()
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(here), "-q", "-p",
-                           "no:cacheprovider"], cwd=here.parent, env=env, capture_output=True, check=False,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider"],
+        cwd=here.parent,
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=900,
+    )
     # 0 = tests collected and all passed (5 would be "no tests ran")
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
@@ -123,17 +129,37 @@ def make_batch(
 
 
 def check(
-    q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size=16,
-    dtype=torch.float32, sliding_window=None, softcap=None, scale=None, num_kv_splits=None,
-    config=None, **batch_kw,
+    q_lens,
+    seq_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    block_size=16,
+    dtype=torch.float32,
+    sliding_window=None,
+    softcap=None,
+    scale=None,
+    num_kv_splits=None,
+    config=None,
+    **batch_kw,
 ):
     query, key_cache, value_cache, meta = make_batch(
         q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, **batch_kw
     )
     scale = scale if scale is not None else head_dim**-0.5
     out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
-    res = paged_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap,
-                          out=out, num_kv_splits=num_kv_splits, config=config)
+    res = paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        out=out,
+        num_kv_splits=num_kv_splits,
+        config=config,
+    )
     assert res is out
     ref = paged_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     assert not torch.isnan(out).any(), "NaN in output (unwritten element or NaN leak)"
@@ -161,8 +187,13 @@ SHAPES = [
     (16, 2, 96, 16, torch.float16),
     (8, 1, 80, 32, torch.bfloat16),
 ]
-SHAPE_IDS = ["g1-d64-b16-f32", "g4-d128-b32-bf16", "g7-d80-b16-f32", "g8-d96-b16-f16",
-             "g8-d80-b32-bf16"]
+SHAPE_IDS = [
+    "g1-d64-b16-f32",
+    "g4-d128-b32-bf16",
+    "g7-d80-b16-f32",
+    "g8-d96-b16-f16",
+    "g8-d80-b32-bf16",
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -187,8 +218,9 @@ def test_mixed_prefill_chunks_and_decodes(shape):
 @pytest.mark.parametrize("host_lists", [False, True])
 def test_mixed_short_long_boundary(host_lists):
     # G = 4: decode tiles hold 4 tokens, so q_len 4 is "short" (decode launch), 5 is "long"
-    query, key_cache, value_cache, meta = make_batch([4, 5, 1, 0, 9], [30, 5, 17, 8, 40], 8, 2,
-                                                     64, 16, unowned_tokens=2)
+    query, key_cache, value_cache, meta = make_batch(
+        [4, 5, 1, 0, 9], [30, 5, 17, 8, 40], 8, 2, 64, 16, unowned_tokens=2
+    )
     if host_lists:
         meta.query_start_loc_host = meta.query_start_loc.tolist()
         meta.seq_lens_host = meta.seq_lens.tolist()
@@ -245,30 +277,43 @@ def test_split_kv_forced(splits):
 
 def test_split_kv_spec_decode_window_softcap():
     # q_len 2 per sequence (speculative verify) still fits one q-tile at G = 4 (BLOCK_Q = 4)
-    check([2, 2, 1], [150, 90, 33], 4, 1, 96, 32, torch.float16, sliding_window=40, softcap=20.0,
-          num_kv_splits=4)
+    check(
+        [2, 2, 1],
+        [150, 90, 33],
+        4,
+        1,
+        96,
+        32,
+        torch.float16,
+        sliding_window=40,
+        softcap=20.0,
+        num_kv_splits=4,
+    )
 
 
 def test_small_tiles_many_edges():
     # 16x16 tiles: many q-tiles and KV tiles per sequence, every masked/unmasked segment kind
-    cfg = AttentionConfig(block_m=16, block_q=4, block_n=16, num_warps=4, num_stages=2,
-                          one_tile_per_seq=False)
+    cfg = AttentionConfig(
+        block_m=16, block_q=4, block_n=16, num_warps=4, num_stages=2, one_tile_per_seq=False
+    )
     check([1, 37, 20], [50, 37, 61], 8, 2, 64, 16, config=cfg)
     check([1, 37, 20], [50, 37, 61], 8, 2, 64, 16, sliding_window=13, config=cfg)
 
 
 def test_small_tiles_odd_group():
     # G = 7 in 16 rows: BLOCK_Q = 2, rows 14-15 are padding and must not be stored
-    cfg = AttentionConfig(block_m=16, block_q=2, block_n=16, num_warps=4, num_stages=2,
-                          one_tile_per_seq=False)
+    cfg = AttentionConfig(
+        block_m=16, block_q=2, block_n=16, num_warps=4, num_stages=2, one_tile_per_seq=False
+    )
     check([5, 1, 3], [21, 18, 3], 7, 1, 80, 16, config=cfg)
 
 
 @pytest.mark.parametrize("num_kv_splits", [None, 3])
 def test_unowned_tokens_and_empty_sequences_zeroed(num_kv_splits):
     # a sequence with no new tokens this step, and 70 trailing tokens no sequence owns
-    out, _ = check([1, 0, 1], [20, 11, 64], 4, 1, 64, 16, unowned_tokens=70,
-                   num_kv_splits=num_kv_splits)
+    out, _ = check(
+        [1, 0, 1], [20, 11, 64], 4, 1, 64, 16, unowned_tokens=70, num_kv_splits=num_kv_splits
+    )
     assert (out[2:] == 0).all()
 
 
@@ -280,8 +325,12 @@ def test_unowned_tokens_prefill_path():
 def test_no_sequences_all_unowned():
     query, key_cache, value_cache, meta = make_batch([1], [4], 4, 2, 64)
     meta = AttentionMetadata(
-        meta.query_start_loc[:1], meta.seq_lens[:0], meta.block_table[:0], meta.slot_mapping,
-        max_query_len=0, max_seq_len=0,
+        meta.query_start_loc[:1],
+        meta.seq_lens[:0],
+        meta.block_table[:0],
+        meta.slot_mapping,
+        max_query_len=0,
+        max_seq_len=0,
     )
     out = paged_attention(query, key_cache, value_cache, meta, 0.1, out=torch.full_like(query, 7))
     assert (out == 0).all()
@@ -290,8 +339,9 @@ def test_no_sequences_all_unowned():
 def test_default_out_and_empty_batch():
     query, key_cache, value_cache, meta = make_batch([3, 1], [3, 9], 4, 2, 64)
     out = paged_attention(query, key_cache, value_cache, meta, 0.1)
-    torch.testing.assert_close(out, paged_attention_ref(query, key_cache, value_cache, meta, 0.1),
-                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out, paged_attention_ref(query, key_cache, value_cache, meta, 0.1), atol=2e-5, rtol=1e-4
+    )
     empty = paged_attention(query[:0], key_cache, value_cache, meta, 0.1)
     assert empty.shape == (0, 4, 64)
 
@@ -318,9 +368,14 @@ def _args():
 
 
 def _meta_with(meta, **kw):
-    fields = {"query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens,
-              "block_table": meta.block_table, "slot_mapping": meta.slot_mapping,
-              "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
+    fields = {
+        "query_start_loc": meta.query_start_loc,
+        "seq_lens": meta.seq_lens,
+        "block_table": meta.block_table,
+        "slot_mapping": meta.slot_mapping,
+        "max_query_len": meta.max_query_len,
+        "max_seq_len": meta.max_seq_len,
+    }
     fields.update(kw)
     return AttentionMetadata(**fields)
 
@@ -335,16 +390,32 @@ def _meta_with(meta, **kw):
         (lambda q, k, v, m: (q[..., :32], k, v, m, {}), "head_dim"),
         (lambda q, k, v, m: (q.half(), k, v, m, {}), "key_cache dtype"),
         (lambda q, k, v, m: (q.int(), k, v, m, {}), "query dtype"),
-        (lambda q, k, v, m: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m, {}),
-         "query must be contiguous in head_dim"),
-        (lambda q, k, v, m: (q, k, v, _meta_with(m, seq_lens=m.seq_lens.long()), {}),
-         "meta.seq_lens must be int32"),
-        (lambda q, k, v, m: (q, k, v, _meta_with(m, query_start_loc=m.query_start_loc[:2]), {}),
-         "meta.query_start_loc must have shape"),
-        (lambda q, k, v, m: (q, k, v, _meta_with(m, block_table=m.block_table[:1]), {}),
-         "meta.block_table must be"),
-        (lambda q, k, v, m: (q, k, v, _meta_with(m, block_table=m.block_table.t().contiguous().t()),
-                             {}), "meta.block_table must be contiguous"),
+        (
+            lambda q, k, v, m: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m, {}),
+            "query must be contiguous in head_dim",
+        ),
+        (
+            lambda q, k, v, m: (q, k, v, _meta_with(m, seq_lens=m.seq_lens.long()), {}),
+            "meta.seq_lens must be int32",
+        ),
+        (
+            lambda q, k, v, m: (q, k, v, _meta_with(m, query_start_loc=m.query_start_loc[:2]), {}),
+            "meta.query_start_loc must have shape",
+        ),
+        (
+            lambda q, k, v, m: (q, k, v, _meta_with(m, block_table=m.block_table[:1]), {}),
+            "meta.block_table must be",
+        ),
+        (
+            lambda q, k, v, m: (
+                q,
+                k,
+                v,
+                _meta_with(m, block_table=m.block_table.t().contiguous().t()),
+                {},
+            ),
+            "meta.block_table must be contiguous",
+        ),
         (lambda q, k, v, m: (q, k, v, m, {"out": q[:, :2]}), "out shape"),
         (lambda q, k, v, m: (q, k, v, m, {"out": q.half()}), "out dtype"),
         (lambda q, k, v, m: (q, k, v, m, {"num_kv_splits": 0}), "num_kv_splits"),

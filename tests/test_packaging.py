@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_pypi_kernels_name_not_shadowed():
-    # transformers probes `import kernels` (the hub-kernels PyPI package); our kernels/ must not answer.
+    # transformers probes `import kernels` (the hub-kernels PyPI package); ours must not answer.
     spec = importlib.util.find_spec("kernels")
     if spec is not None:
         origin = Path(spec.origin or next(iter(spec.submodule_search_locations))).resolve()

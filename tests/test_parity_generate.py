@@ -75,7 +75,9 @@ def test_greedy_parity_shared_and_repeated_prefixes(tiny_model):
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32)
         assert torch.equal(out, ref)
         # same batch again: every prompt is now a prefix-cache hit
-        again = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32)
+        again = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32
+        )
         assert torch.equal(again, ref)
         stats = hf_paged.get_engine(model).stats()
         assert stats["prefix_cache_hits"] > 0
@@ -123,12 +125,18 @@ def test_eos_stops_rows_and_pads_like_transformers(tiny_model, batch_factory):
 def test_max_length_and_return_dict(tiny_model, batch_factory):
     model = tiny_model("qwen2")
     ids, mask = batch_factory([8, 3], seed=6)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_length=20, do_sample=False,
-                         return_dict_in_generate=True)
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_length=20,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
     hf_paged.patch(model)
     try:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_length=20,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_length=20, return_dict_in_generate=True
+        )
     finally:
         hf_paged.unpatch(model)
     assert type(out) is type(ref)

@@ -13,8 +13,11 @@ from hf_paged.testing import tiny_tokenizer
 
 TEXTS = ["hello there", "the quick brown fox jumps over", "a", "zebra crossing at noon"]
 CHAT = [{"role": "user", "content": "hi how are you"}]
-CHATS = [CHAT, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what"}],
-         [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "once upon"}]]
+CHATS = [
+    CHAT,
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what"}],
+    [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "once upon"}],
+]
 GEN = dict(max_new_tokens=8, do_sample=False)
 
 
@@ -27,7 +30,10 @@ def test_outputs_equal_transformers_pipeline(model):
     tok = tiny_tokenizer()
     ref_pipe = transformers.pipeline("text-generation", model=model, tokenizer=tok)
     calls = [
-        (TEXTS[0], GEN), (TEXTS, GEN), (CHAT, GEN), (CHATS, GEN),
+        (TEXTS[0], GEN),
+        (TEXTS, GEN),
+        (CHAT, GEN),
+        (CHATS, GEN),
         (TEXTS, dict(GEN, return_full_text=False)),
         (TEXTS[:2], dict(GEN, return_tensors=True)),
         (TEXTS, dict(max_length=34, do_sample=False)),  # per-input length semantics
@@ -39,9 +45,13 @@ def test_outputs_equal_transformers_pipeline(model):
     for (x, kw), ref in zip(calls, refs):
         out = pipe(x, **kw)
         if kw.get("return_tensors"):
-            assert all(torch.equal(torch.as_tensor(a[0]["generated_token_ids"]),
-                                   torch.as_tensor(b[0]["generated_token_ids"]))
-                       for a, b in zip(out, ref))
+            assert all(
+                torch.equal(
+                    torch.as_tensor(a[0]["generated_token_ids"]),
+                    torch.as_tensor(b[0]["generated_token_ids"]),
+                )
+                for a, b in zip(out, ref)
+            )
         else:
             assert out == ref, (x, kw)
 
@@ -53,8 +63,13 @@ def test_transformers_pipeline_backend_switch(model):
     hf = transformers.pipeline("text-generation", model=model, tokenizer=tok, backend="hf")
     assert type(hf) is transformers.TextGenerationPipeline
     ref = plain(TEXTS, **GEN)
-    paged = transformers.pipeline("text-generation", model=model, tokenizer=tok, backend="paged",
-                                  engine_options={"block_size": 8})
+    paged = transformers.pipeline(
+        "text-generation",
+        model=model,
+        tokenizer=tok,
+        backend="paged",
+        engine_options={"block_size": 8},
+    )
     assert isinstance(paged, PagedTextGenerationPipeline)
     assert paged(TEXTS, **GEN) == ref
     with pytest.raises(ValueError, match="backend"):
@@ -81,5 +96,7 @@ def test_sampling_return_sequences(model):
     torch.manual_seed(0)
     out = pipe(TEXTS[:2], max_new_tokens=5, do_sample=True, num_return_sequences=3)
     assert [len(o) for o in out] == [3, 3]
-    assert all(o["generated_text"].startswith(t) for o, t in
-               ((o, t) for group, t in zip(out, TEXTS) for o in group))
+    assert all(
+        o["generated_text"].startswith(t)
+        for o, t in ((o, t) for group, t in zip(out, TEXTS) for o in group)
+    )

@@ -50,8 +50,9 @@ def test_draws_follow_the_warped_distribution():
     torch.manual_seed(0)
     logits = torch.randn(1, 12) * 2
     params = SamplingParams(temperature=0.7, top_k=8, top_p=0.9)
-    warped = TopPLogitsWarper(0.9)(None, TopKLogitsWarper(8)(
-        None, TemperatureLogitsWarper(0.7)(None, logits.clone())))
+    warped = TopPLogitsWarper(0.9)(
+        None, TopKLogitsWarper(8)(None, TemperatureLogitsWarper(0.7)(None, logits.clone()))
+    )
     expected = warped.softmax(-1)[0]
     n = 20_000
     sampler = Sampler(torch.device("cpu"))
@@ -66,6 +67,10 @@ def test_draws_follow_the_warped_distribution():
 
 def test_greedy_rows_take_argmax_in_a_mixed_batch():
     logits = torch.randn(3, 30)
-    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams()), _req(SamplingParams(temperature=0))]
+    reqs = [
+        _req(SamplingParams(temperature=0)),
+        _req(SamplingParams()),
+        _req(SamplingParams(temperature=0)),
+    ]
     out = Sampler(torch.device("cpu"))(logits, reqs)
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()

@@ -16,8 +16,13 @@ EOS = 1
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs", **kw):
     cfg = EngineConfig(
-        block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
-        max_num_seqs=max_seqs, max_model_len=1024, scheduling_policy=policy, **kw,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=1024,
+        scheduling_policy=policy,
+        **kw,
     )
     kv = KVCacheManager(num_blocks, block_size, cfg.enable_prefix_caching)
     return Scheduler(cfg, kv)
@@ -28,8 +33,12 @@ _counter = iter(range(10**9))
 
 def add(s: Scheduler, rid: str, prompt, max_tokens=4, priority=0, eos=False) -> Request:
     req = Request(
-        rid, list(prompt), SamplingParams(max_tokens=max_tokens),
-        frozenset({EOS}) if eos else frozenset(), len(prompt) + max_tokens, priority=priority,
+        rid,
+        list(prompt),
+        SamplingParams(max_tokens=max_tokens),
+        frozenset({EOS}) if eos else frozenset(),
+        len(prompt) + max_tokens,
+        priority=priority,
         arrival_index=next(_counter),
     )
     s.add_request(req)
@@ -184,8 +193,14 @@ def test_prefix_cache_hit_skips_computation():
     caching=st.booleans(),
 )
 def test_random_add_abort_step_keeps_invariants(ops, num_blocks, budget, policy, caching):
-    s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=budget, max_seqs=4,
-                       policy=policy, enable_prefix_caching=caching)
+    s = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=4,
+        budget=budget,
+        max_seqs=4,
+        policy=policy,
+        enable_prefix_caching=caching,
+    )
     ids: list[str] = []
     expected: dict[str, int] = {}
     reqs: dict[str, Request] = {}

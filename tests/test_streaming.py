@@ -28,8 +28,9 @@ class Recorder(BaseStreamer):
 def test_text_streamer_prints_what_transformers_prints(tiny_model, capsys):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     ids = tok("hello there", return_tensors="pt")["input_ids"]
-    ref = model.generate(ids, max_new_tokens=12, do_sample=False,
-                         streamer=TextStreamer(tok, skip_prompt=True))
+    ref = model.generate(
+        ids, max_new_tokens=12, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True)
+    )
     ref_text = capsys.readouterr().out
     hf_paged.patch(model, tok)
     try:
@@ -49,8 +50,11 @@ def test_iterator_streamer_text_equals_final_output(tiny_model):
     hf_paged.patch(model)
     try:
         result = {}
-        thread = threading.Thread(target=lambda: result.setdefault(
-            "out", model.generate(ids, max_new_tokens=15, streamer=streamer)))
+        thread = threading.Thread(
+            target=lambda: result.setdefault(
+                "out", model.generate(ids, max_new_tokens=15, streamer=streamer)
+            )
+        )
         thread.start()
         pieces = list(streamer)
         thread.join()
