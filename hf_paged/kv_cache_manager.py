@@ -96,6 +96,16 @@ class KVCacheManager:
         allocated blocks, or None (changing nothing) when the free blocks do not suffice."""
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
+        bs = self.block_size
+        if held is not None and not new_computed_blocks:
+            # Fast path, the common decode step: the new tokens fit in the blocks already held,
+            # and the block they start in is not shared with a fork (no copy-on-write).
+            start = request.num_computed_tokens
+            end = start + num_new_tokens
+            if end <= len(held) * bs and (start % bs == 0 or held[start // bs].ref_cnt == 1):
+                if self.enable_caching and end // bs > self.num_cached_blocks[rid]:
+                    self._cache_full_blocks(request, end)
+                return []
         num_held = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens)
