@@ -34,6 +34,35 @@ class AttentionMetadata:
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
 
+    @classmethod
+    def from_lengths(
+        cls,
+        q_lens: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        *,
+        num_tokens: int | None = None,
+        host_lists: bool = True,
+    ) -> AttentionMetadata:
+        """Metadata for sequences with these new-token and context lengths, on block_table's
+        device (profiling runs, tests, benchmarks). slot_mapping is all -1 (no K/V writes) over
+        num_tokens (default sum(q_lens)); host_lists=False leaves the host copies out."""
+        device = block_table.device
+        qsl = [0]
+        for q_len in q_lens:
+            qsl.append(qsl[-1] + q_len)
+        num_tokens = qsl[-1] if num_tokens is None else num_tokens
+        return cls(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=block_table.to(torch.int32),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            max_query_len=max(q_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_host=qsl if host_lists else None,
+            seq_lens_host=list(seq_lens) if host_lists else None,
+        )
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]

@@ -10,22 +10,19 @@ the row.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from hf_paged.request import Request
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, pin: bool) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        # The block table lives in pinned memory when a GPU is the target, so the per-step slice
-        # copies to the device without a staging copy.
-        table = torch.zeros((max_num_reqs, self.max_blocks_per_seq), dtype=torch.int32)
-        self.block_table_t = table.pin_memory() if pin else table
-        self.block_table = self.block_table_t.numpy()
+        # Plain numpy: each step gathers its rows with numpy fancy indexing (a new array), so
+        # pinning this table would buy nothing.
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))

@@ -100,12 +100,7 @@ class ModelRunner:
         self.compiled = use_compile
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
-        self.input_batch = InputBatch(
-            config.max_num_seqs,
-            config.max_model_len,
-            config.block_size,
-            pin=self.device.type == "cuda",
-        )
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.graphs = None
         self.graph_capture_seconds = 0.0
         if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
@@ -343,8 +338,6 @@ class ModelRunner:
 
 
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
-    qsl = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=qsl[1:])
     max_blocks = max(-(-n // block_size) for n in lens)
     block_table = np.zeros((len(lens), max_blocks), dtype=np.int64)
     positions, slots, next_block = [], [], 0
@@ -355,14 +348,7 @@ def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
         pos = np.arange(n)
         positions.append(pos)
         slots.append(block_table[i, pos // block_size] * block_size + pos % block_size)
-    meta = AttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-        query_start_loc_host=qsl.tolist(),
-        seq_lens_host=list(lens),
-    )
+    table = torch.from_numpy(block_table.astype(np.int32)).to(device)
+    meta = AttentionMetadata.from_lengths(lens, lens, table)
+    meta.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # write, as steps do
     return meta, torch.from_numpy(np.concatenate(positions)).to(device)

@@ -21,7 +21,12 @@ def interpreting() -> bool:
     Triton picks compile-vs-interpret when @triton.jit runs (at import, from TRITON_INTERPRET), so
     ask the decorated kernel itself rather than the environment, which may have changed since.
     """
-    return type(_write_kv_kernel).__name__ == "InterpretedFunction"
+    # triton's own library (tl.cdiv, tl.sum, ...) is decorated when triton is imported: both must be
+    # interpreted, or the kernels mix interpreted and compiled helpers
+    return (
+        type(_write_kv_kernel).__name__ == "InterpretedFunction"
+        and type(tl.standard.cdiv).__name__ == "InterpretedFunction"
+    )
 
 
 def check_launchable(t: torch.Tensor, name: str) -> None:

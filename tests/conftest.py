@@ -1,10 +1,21 @@
-"""Shared fixtures: tiny random-weight models of several architectures, and engine invariants."""
+"""Shared fixtures: tiny random-weight models of several architectures, and engine invariants.
+
+Without a GPU the Triton kernels run in Triton's CPU interpreter. Triton reads TRITON_INTERPRET
+when it is imported and a @triton.jit function is decorated, so it is set here, before any test
+module (or transformers, or hf_paged) can import triton.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
-import transformers
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
 
 VOCAB = 256
 COMMON = dict(

@@ -65,15 +65,7 @@ def test_reference_equals_dense(seq_lens, q_lens, hq, hkv, window, softcap):
     vs = [torch.randn(n, hkv, d) for n in seq_lens]
     qs = [torch.randn(q, hq, d) for q in q_lens]
     kc, vc, table = _scatter_into_cache(ks, vs, bs, num_blocks=64)
-    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-    meta = AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=table,
-        slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
+    meta = AttentionMetadata.from_lengths(q_lens, seq_lens, table)
     out = paged_attention_ref(torch.cat(qs), kc, vc, meta, 0.3, window, softcap)
     ref = torch.cat([_dense(q, k, v, 0.3, window, softcap) for q, k, v in zip(qs, ks, vs)])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -72,19 +72,7 @@ def build(
     write_kv(k, v, key_cache, value_cache, slots)
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens, num_q_heads, head_dim, device="cuda", generator=g).to(dtype)
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        block_table=block_table,
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device="cuda"),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_host=qsl,
-        seq_lens_host=list(seq_lens),
-    )
+    meta = AttentionMetadata.from_lengths(q_lens, seq_lens, block_table)
     return query, key_cache, value_cache, meta
 
 

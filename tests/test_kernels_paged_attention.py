@@ -1,29 +1,18 @@
 """paged_attention (Triton) against paged_attention_ref on small shapes.
 
-CI has no GPU: the kernels run in Triton's CPU interpreter on CPU tensors. Triton reads
-TRITON_INTERPRET when a @triton.jit function is decorated, its own library (tl.sum, tl.cdiv, ...)
-included, so it is set here before anything imports triton. If another test module imported
-triton first (e.g. through hf_paged's engine), this process cannot interpret: then the module
-re-runs itself in a fresh pytest subprocess. On a CUDA machine the tests run compiled on the GPU.
+CI has no GPU: the kernels run in Triton's CPU interpreter on CPU tensors (tests/conftest.py
+sets TRITON_INTERPRET=1 before triton is imported). On a CUDA machine they run compiled.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import triton.language as tl  # noqa: E402 (after TRITON_INTERPRET)
 
 from hf_paged.forward_context import AttentionMetadata  # noqa: E402
 
@@ -32,34 +21,12 @@ from hf_paged.forward_context import AttentionMetadata  # noqa: E402
 kv_write_mod = importlib.import_module("hf_paged.kernels.kv_write")
 pa_mod = importlib.import_module("hf_paged.kernels.paged_attention")
 
-IN_PROCESS = ON_GPU or (
-    kv_write_mod.interpreting() and type(tl.standard.cdiv).__name__ == "InterpretedFunction"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_or_subprocess(request):
-    if not IN_PROCESS and request.node.originalname != "test_module_in_fresh_interpreter":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: run in a subprocess instead")
-
-
-def test_module_in_fresh_interpreter():
-    if IN_PROCESS:
-        pytest.skip("this process interprets the kernels itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    # cwd tests/: `python -m` puts cwd on sys.path, and the repo root must never be there
-    here = Path(__file__).resolve()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider"],
-        cwd=here.parent,
-        env=env,
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=900,
+# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported when there is no GPU.
+if not ON_GPU and not kv_write_mod.interpreting():
+    raise RuntimeError(
+        "no GPU and the kernels are not interpreted: TRITON_INTERPRET=1 was not set "
+        "before triton was imported (tests/conftest.py sets it)"
     )
-    # 0 = tests collected and all passed (5 would be "no tests ran")
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 
 paged_attention = pa_mod.paged_attention
@@ -114,16 +81,9 @@ def make_batch(
         for j in range(seq_len):
             key_cache[block_table[i, j // block_size], j % block_size] = k[j]
             value_cache[block_table[i, j // block_size], j % block_size] = v[j]
-    qsl = [0]
-    for q_len in q_lens:
-        qsl.append(qsl[-1] + q_len)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=block_table.to(DEVICE),
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=DEVICE),
-        max_query_len=max(q_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
+    # no host lists: the kernels must work from device metadata alone
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, block_table.to(DEVICE), num_tokens=num_tokens, host_lists=False
     )
     return query.to(DEVICE), key_cache.to(DEVICE), value_cache.to(DEVICE), meta
 
