@@ -6,7 +6,11 @@ TinyLlama-1.1B shape with random weights (no weights can be fetched on the GPU m
 left-padded prompts of 16-512 random tokens. Prints, for each pair, the rate of identical output
 sequences and where the first differing token falls. In bfloat16, near-tied logits of random
 weights break differently under different (equally valid) summation orders, so a pair diverges
-somewhere late; a systematic bug diverges at the first tokens of most rows.
+somewhere; a systematic bug diverges at the first tokens of most rows. The noise floor is printed
+alongside: transformers against itself with its two attention implementations (sdpa vs eager),
+two equally valid orders of the same arithmetic. In float32 every pair should agree.
+
+    python evals/backend_parity.py --dtype bfloat16,float32 --backends triton,torch
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ def summarize(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
         if diverged
         else "no divergence"
     )
-    return f"| {name} | {same}/{len(div)} ({same / len(div):.0%}) | {where} |"
+    at_first = sum(d == 0 for d in div)
+    return (
+        f"| {name} | {same}/{len(div)} ({same / len(div):.0%}) | {at_first}/{len(div)} | {where} |"
+    )
 
 
 def main() -> None:
@@ -49,14 +56,20 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="comma-separated: bfloat16,float32")
+    ap.add_argument("--backends", default="triton,torch", help="hf_paged attention backends")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    for dtype in args.dtype.split(","):
+        compare(args, dtype, args.backends.split(","))
+
+
+def compare(args, dtype_name: str, backends: list[str]) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_paged
 
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, dtype_name)
     cfg = LlamaConfig(
         vocab_size=32000,
         hidden_size=2048,
@@ -84,10 +97,13 @@ def main() -> None:
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
 
     outs, times = {}, {}
-    t = time.perf_counter()
-    outs["transformers"] = model.generate(input_ids=ids, attention_mask=mask, **gen)[:, width:]
-    times["transformers"] = time.perf_counter() - t
-    for backend in ("triton", "torch"):
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        t = time.perf_counter()
+        outs[impl] = model.generate(input_ids=ids, attention_mask=mask, **gen)[:, width:]
+        times[f"transformers {impl}"] = time.perf_counter() - t
+    model.set_attn_implementation("sdpa")
+    for backend in backends:
         hf_paged.patch(model, attention_backend=backend, cuda_graphs=backend == "triton")
         t = time.perf_counter()
         outs[backend] = model.generate(input_ids=ids, attention_mask=mask, **gen)[:, width:]
@@ -95,14 +111,19 @@ def main() -> None:
         hf_paged.unpatch(model)
 
     print(
-        f"model: TinyLlama-1.1B shape, {args.layers} layers, {args.dtype}, random weights; "
+        f"\nmodel: TinyLlama-1.1B shape, {args.layers} layers, {dtype_name}, random weights; "
         f"{args.prompts} prompts of 16-512 tokens x {args.new} greedy tokens; "
         f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
     )
-    print("| pair | identical sequences | where rows first differ |\n|---|---|---|")
-    print(summarize("triton vs transformers", outs["triton"], outs["transformers"]))
-    print(summarize("triton vs torch backend", outs["triton"], outs["torch"]))
-    print(summarize("torch backend vs transformers", outs["torch"], outs["transformers"]))
+    print("| pair | identical sequences | differ at token 0 | where rows first differ |")
+    print("|---|---|---|---|")
+    print(summarize("noise floor: transformers sdpa vs eager", outs["sdpa"], outs["eager"]))
+    for backend in backends:
+        print(summarize(f"{backend} vs transformers sdpa", outs[backend], outs["sdpa"]))
+        print(summarize(f"{backend} vs transformers eager", outs[backend], outs["eager"]))
+    if len(backends) > 1:
+        a, b = backends[:2]
+        print(summarize(f"{a} vs {b} backend", outs[a], outs[b]))
     print("wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
 
 

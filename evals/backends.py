@@ -109,7 +109,9 @@ def run_paged(
         raise EvalError(f"backend paged: cannot import hf_paged ({exc})") from exc
     device = _device(model)
     with _restore_attention(model):
+        t_start = time.perf_counter()
         engine = hf_paged.Engine(model, max_num_seqs=concurrency, **(engine_options or {}))
+        startup_s = time.perf_counter() - t_start
         # Warm-up outside the clock: a slice of the workload itself, so the Triton kernel
         # variants it needs (prefill tiles, mixed launches, split-KV) are compiled before timing.
         # Measured on the H200: a 2 x 32-token warm-up left that JIT work inside the timed W1 run.
@@ -169,6 +171,11 @@ def run_paged(
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "num_preemptions": stats.get("num_preemptions", 0) - stats0.get("num_preemptions", 0),
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        "engine": {
+            "compile": engine.runner.compiled,
+            "cuda_graphs": engine.runner.graphs is not None,
+            "startup_s": startup_s,
+        },
     }
     run = BackendRun("paged", concurrency, [timings[r] for r in order], wall, peak, kind, extra)
     _check_lengths(run, wl)

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="paged engine token budget per step",
     )
+    thr.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="paged engine torch.compile (auto: on for CUDA)",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
     exp = sub.add_parser(
@@ -263,6 +269,7 @@ def cmd_throughput(args) -> int:
         for k, v in (
             ("num_blocks", args.num_blocks),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("compile", {"auto": None, "on": True, "off": False}[args.compile]),
         )
         if v is not None
     }

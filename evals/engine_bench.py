@@ -5,7 +5,9 @@
 TinyLlama-1.1B shape, bf16, random weights; W1 = 256 requests, prompts 64-512 random tokens,
 256 output tokens, EOS ignored. Warm-up on 8 real-length prompts first (Triton JIT, graphs).
 Prints start-up, graph-capture time, output tokens/s and the wall seconds spent in
-schedule / execute / update over the run, then batch-1 decode tokens/s.
+schedule / execute / update over the run, then batch-1 decode tokens/s, then a steady-state
+breakdown at 256 and at 1 running decodes: wall per step, GPU busy per step (union of kernel
+intervals from torch.profiler) and kernels launched per step.
 """
 
 from __future__ import annotations
@@ -42,23 +44,51 @@ def main() -> None:
     t0 = time.perf_counter()
     eng = Engine(model, **opts)
     print(
-        f"startup {time.perf_counter() - t0:.1f}s, graph capture "
-        f"{eng.runner.graph_capture_seconds:.1f}s, {eng.kv.num_blocks} KV blocks, "
+        f"startup {time.perf_counter() - t0:.1f}s (kernel warm-up "
+        f"{eng.runner.warm_up_seconds:.1f}s, graph capture "
+        f"{eng.runner.graph_capture_seconds:.1f}s), "
+        f"{eng.kv.num_blocks} KV blocks, "
         f"compiled {eng.runner.compiled}",
         flush=True,
     )
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 32000, int(n)).tolist() for n in rng.integers(64, 513, 256)]
-    eng.generate(prompts[:8], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    prompts = w1_prompts(seed=0)
+    warm = w1_prompts(seed=1)[:8]
+    eng.generate(warm, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    # the first run shows what start-up left to compile; fresh prompts (no prefix-cache hits)
+    w1(eng, prompts, opts, "first")
+    w1(eng, w1_prompts(seed=2), opts, "second")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    one = eng.generate(
+        [prompts[0][:128]], SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
+    )[0]
+    torch.cuda.synchronize()
+    print(f"batch-1 decode: {len(one.output_token_ids) / (time.perf_counter() - t):,.0f} tok/s")
+    for batch in (256, 1):
+        print(breakdown(eng, prompts, batch))
+
+
+def w1_prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 32000, int(n)).tolist() for n in rng.integers(64, 513, 256)]
+
+
+def w1(eng, prompts, opts, run: str) -> None:
+    from hf_paged import SamplingParams
 
     spent = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+    slow = []  # (seconds, tokens, seqs) of execute calls over 50 ms
     originals = (eng.scheduler.schedule, eng.runner.execute, eng.scheduler.update_from_output)
 
     def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            spent[name] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            spent[name] += dt
+            if name == "execute" and dt > 0.05:
+                sched = a[0]
+                slow.append((round(dt, 3), sum(sched.num_scheduled_tokens), len(sched.requests)))
             return out
 
         return wrapper
@@ -72,20 +102,60 @@ def main() -> None:
     outs = eng.generate(prompts, SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
+    eng.scheduler.schedule, eng.runner.execute, eng.scheduler.update_from_output = originals
     n_out = sum(len(o.output_token_ids) for o in outs)
     print(
-        f"W1 {opts}: {n_out} tokens in {wall:.2f}s = {n_out / wall:,.0f} output tok/s over "
-        f"{eng.num_steps - steps0} steps; seconds in "
+        f"W1 {run} run {opts}: {n_out} tokens in {wall:.2f}s = {n_out / wall:,.0f} output tok/s "
+        f"over {eng.num_steps - steps0} steps; seconds in "
         + ", ".join(f"{k} {v:.2f}" for k, v in spent.items())
+        + f"; execute calls over 50 ms (s, tokens, seqs): {slow[:12]}"
     )
-    eng.scheduler.schedule, eng.runner.execute, eng.scheduler.update_from_output = originals
+
+
+def breakdown(eng, prompts, batch: int, steps: int = 20) -> str:
+    """Decode-only steady state with `batch` running requests: profile `steps` engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_paged import SamplingParams
+
+    params = SamplingParams(max_tokens=2 * steps + 40, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(prompts[i % len(prompts)][:200], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or (
+        eng.scheduler.waiting
+    ):
+        eng.step()
+    for _ in range(3):
+        eng.step()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    one = eng.generate(
-        [prompts[0][:128]], SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
-    )[0]
+    for _ in range(steps):  # wall without the profiler's overhead
+        eng.step()
     torch.cuda.synchronize()
-    print(f"batch-1 decode: {len(one.output_token_ids) / (time.perf_counter() - t):,.0f} tok/s")
+    wall = time.perf_counter() - t
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:  # union of kernel intervals (us)
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    while eng.has_unfinished_requests():
+        eng.step()
+    per = wall / steps * 1e3
+    return (
+        f"steady state, {batch} running decodes: {per:.2f} ms/step wall, GPU busy "
+        f"{busy / 1e3 / steps:.2f} ms/step ({busy / 1e3 / steps / per:.0%}), "
+        f"{len(kernels) / steps:.0f} kernels/step"
+    )
 
 
 if __name__ == "__main__":

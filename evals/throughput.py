@@ -193,4 +193,12 @@ def format_table(result: dict, model_desc: str) -> str:
         )
     mem_kinds = {r["metrics"]["memory_kind"] for r in result["runs"]}
     lines.append(f"- peak memory: {', '.join(sorted(mem_kinds))}")
+    for r in result["runs"]:
+        eng = r["metrics"]["extra"].get("engine")
+        if eng:  # start-up is outside the clock: say what it cost
+            lines.append(
+                f"- {r['metrics']['backend']} (c={r['metrics']['concurrency']}): torch.compile "
+                f"{'on' if eng['compile'] else 'off'}, CUDA graphs "
+                f"{'on' if eng['cuda_graphs'] else 'off'}, engine start-up {eng['startup_s']:.1f} s"
+            )
     return "\n".join(lines)

@@ -16,21 +16,25 @@ import torch
 from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 
-def graph_buckets(max_batch_size: int) -> list[int]:
-    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch_size}
+def graph_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
+    sizes = {b for b in (1, 2, 4, 8) if smallest <= b <= max_batch_size}
     sizes.update(range(16, max_batch_size + 1, 16))
     sizes.add(max_batch_size)
     return sorted(sizes)
 
 
 class CudaGraphRunner:
+    # inference tensors, as a step's inputs are: dynamo guards on the dispatch keys
+    @torch.inference_mode()
     def __init__(self, runner) -> None:
         cfg = runner.config
         self.runner = runner
         self.max_model_len = cfg.max_model_len
         self.max_batch_size = min(cfg.max_num_seqs, cfg.max_graph_batch_size)
-        self.buckets = graph_buckets(self.max_batch_size)
-        n, dev = self.max_batch_size, runner.device
+        # A compiled model specialises a batch of 1 (a second whole-model compile): pad it to 2.
+        smallest = 2 if runner.compiled else 1
+        self.buckets = graph_buckets(max(self.max_batch_size, smallest), smallest)
+        n, dev = self.buckets[-1], runner.device
         width = runner.input_batch.max_blocks_per_seq
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)

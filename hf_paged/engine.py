@@ -42,6 +42,8 @@ class Engine:
         device = next(model.parameters()).device
         if config.max_num_batched_tokens is None:
             config.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+        if config.compile is None:  # CPU: inductor's C++ compile costs more than it saves
+            config.compile = device.type == "cuda"
         if not config.enable_chunked_prefill:
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
         self.runner = ModelRunner(model, config)

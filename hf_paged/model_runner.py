@@ -103,6 +103,11 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.graphs = None
         self.graph_capture_seconds = 0.0
+        self.warm_up_seconds = 0.0
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            t0 = time.perf_counter()
+            self._warm_up_kernels()
+            self.warm_up_seconds = time.perf_counter() - t0
         if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
             from hf_paged.cuda_graphs import CudaGraphRunner
 
@@ -126,6 +131,7 @@ class ModelRunner:
             )
         return self._profile_cuda_num_blocks(per_block)
 
+    @torch.inference_mode()
     def _profile_cuda_num_blocks(self, per_block: int) -> int:
         """Run one forward at the full token budget with a scratch cache, measure peak memory, and
         give the KV cache what remains of gpu_memory_utilization * total memory."""
@@ -162,20 +168,59 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Run the attention-kernel variants a run can meet (mixed prefill + decode, decode with
+        and without the flash-decoding split, short and long contexts) once now. Triton compiles
+        a variant on first use, ~1 s each for the paged kernel on the H200: without this, the
+        first mixed steps of a run pay for it. Nothing is written (slots -1); logits are unused."""
+        bs = self.block_size
+        long = min(self.config.max_model_len, 4096)
+        shapes = (
+            ([64, 1], [64, 8]),  # mixed: a prefill tile and a decode tile, short context
+            ([64, 1, 1], [long, long, 9]),  # mixed, long context
+            ([1], [8]),  # decode, no split
+            ([1], [long]),  # decode, split KV
+            ([1, 1], [long, 9]),
+        )
+        for q_lens, seq_lens in shapes:
+            width = -(-max(seq_lens) // bs)
+            table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=self.device)
+            meta = AttentionMetadata.from_lengths(q_lens, seq_lens, table)
+            pos = torch.cat(
+                [torch.arange(s - q, s, device=self.device) for q, s in zip(q_lens, seq_lens)]
+            )
+            ids = torch.zeros_like(pos)
+            keep = torch.tensor(np.cumsum(q_lens) - 1, device=self.device)
+            with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+                self._forward(ids, pos, keep)
+        torch.cuda.synchronize(self.device)
+
     # -- one step --------------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
+        # One calling convention for every forward (profiling, CUDA-graph capture, steps): the
+        # compiled frame guards on the kwargs, so a different set would compile the model again.
+        model = self._model_forward
+        if self.compiled:
+            # Dynamo specialises a size of 1 and would compile the whole model again for it
+            # (~35 s for 22 layers): a lone token runs eager (graphs pad batch 1 to 2, so only
+            # a mixed step of one 1-token prompt gets here) and one kept row is kept twice.
+            if input_ids.shape[0] == 1:
+                model = self.model
+            elif keep.shape[0] == 1:
+                return self._call_model(self._model_forward, input_ids, positions, keep.repeat(2))[
+                    :1
+                ]
+        return self._call_model(model, input_ids, positions, keep)
+
+    def _call_model(self, model, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor):
         if self._logits_to_keep:
-            out = self._model_forward(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=keep,
+            out = model(
+                input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
             )
             return out.logits[0]
-        out = self._model_forward(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
-        )
+        out = model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
         return out.logits[0, keep]
 
     def shutdown(self) -> None:
@@ -258,10 +303,8 @@ class ModelRunner:
 
     def _forward_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Forward with logits for every token (decode batches, where every token samples)."""
-        out = self._model_forward(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
-        )
-        return out.logits[0]
+        keep = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return self._forward(input_ids, positions, keep)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:

@@ -220,7 +220,20 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Per-step integers are not specialised: Triton would otherwise compile a new variant whenever one
+# of them changes between 1, a multiple of 16 and anything else, which mid-run costs ~1 s a time.
+@triton.jit(
+    do_not_specialize=[
+        "num_seqs",
+        "num_tokens",
+        "num_tile_programs",
+        "num_splits",
+        "stride_wo_t",
+        "stride_wo_h",
+        "stride_wl_t",
+        "stride_wl_h",
+    ]
+)
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]
     ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_PAD] split partial outputs (SPLIT only)
@@ -472,7 +485,9 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "stride_wo_t", "stride_wo_h", "stride_wl_t"]
+)
 def _reduce_splits_kernel(
     out_ptr,  # [T, Hq, D]
     ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_PAD]
