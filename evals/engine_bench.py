@@ -12,6 +12,8 @@ intervals from torch.profiler) and kernels launched per step.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -24,23 +26,19 @@ import torch  # noqa: E402
 
 
 def main() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from hf_paged import Engine, SamplingParams
 
     opts = dict(arg.split("=") for arg in sys.argv[1:])
+    shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
+    only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
     opts = {k: (v == "1") if k in ("compile", "cuda_graphs") else int(v) for k, v in opts.items()}
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-    )
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    spec = importlib.util.spec_from_file_location("evals_run", Path(__file__).parent / "run.py")
+    run_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_py)
+    run_py.load_package()  # evals/ as the package hf_paged_evals
+    models = importlib.import_module("hf_paged_evals.models")
+    model = models.build_random_model(shape, torch.bfloat16, torch.device("cuda"))
+    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, bf16")
     t0 = time.perf_counter()
     eng = Engine(model, **opts)
     print(
@@ -54,9 +52,10 @@ def main() -> None:
     prompts = w1_prompts(seed=0)
     warm = w1_prompts(seed=1)[:8]
     eng.generate(warm, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    # the first run shows what start-up left to compile; fresh prompts (no prefix-cache hits)
-    w1(eng, prompts, opts, "first")
-    w1(eng, w1_prompts(seed=2), opts, "second")
+    if only != "batch1":
+        # the first run shows what start-up left to compile; fresh prompts (no prefix-cache hits)
+        w1(eng, prompts, opts, "first")
+        w1(eng, w1_prompts(seed=2), opts, "second")
     torch.cuda.synchronize()
     t = time.perf_counter()
     one = eng.generate(
@@ -64,7 +63,7 @@ def main() -> None:
     )[0]
     torch.cuda.synchronize()
     print(f"batch-1 decode: {len(one.output_token_ids) / (time.perf_counter() - t):,.0f} tok/s")
-    for batch in (256, 1):
+    for batch in (256, 1) if only != "batch1" else (1,):
         print(breakdown(eng, prompts, batch))
 
 
