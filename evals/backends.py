@@ -174,6 +174,7 @@ def run_paged(
         "engine": {
             "compile": engine.runner.compiled,
             "cuda_graphs": engine.runner.graphs is not None,
+            "async_scheduling": engine.config.async_scheduling,
             "startup_s": startup_s,
         },
     }

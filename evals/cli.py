@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="paged engine torch.compile (auto: on for CUDA)",
     )
+    thr.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="paged engine: launch step n+1 before step n's tokens reach the host",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
     exp = sub.add_parser(
@@ -270,6 +275,7 @@ def cmd_throughput(args) -> int:
             ("num_blocks", args.num_blocks),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("compile", {"auto": None, "on": True, "off": False}[args.compile]),
+            ("async_scheduling", True if args.async_scheduling else None),
         )
         if v is not None
     }

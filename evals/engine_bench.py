@@ -31,7 +31,10 @@ def main() -> None:
     opts = dict(arg.split("=") for arg in sys.argv[1:])
     shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
     only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
-    opts = {k: (v == "1") if k in ("compile", "cuda_graphs") else int(v) for k, v in opts.items()}
+    opts = {
+        k: (v == "1") if k in ("compile", "cuda_graphs", "async_scheduling") else int(v)
+        for k, v in opts.items()
+    }
     spec = importlib.util.spec_from_file_location("evals_run", Path(__file__).parent / "run.py")
     run_py = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_py)

@@ -30,13 +30,24 @@ class EngineConfig:
     # the H200 (TinyLlama-1.1B shape, W1, with CUDA graphs): 39-43k output tokens/s against 31k
     # eager, for ~60 s more start-up (README, Measured).
     compile: bool | None = None
+    # Overlap: schedule and launch step n+1 before step n's tokens reach the host (they are read
+    # on the device); stop checks run one step late, so a request that stops computes one token
+    # more, which is dropped. Steps with a request whose sampling reads its token history on the
+    # host (penalties, n-gram bans, bad-word prefixes, min_tokens, user processors, logprobs,
+    # scores, n > 1, beams, prompt logprobs) run synchronously.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("cuda_graphs", "enable_prefix_caching", "enable_chunked_prefill"):
+        for name in (
+            "cuda_graphs",
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile is not None and not isinstance(self.compile, bool):

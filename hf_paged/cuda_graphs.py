@@ -82,12 +82,17 @@ class CudaGraphRunner:
                 return size
         raise ValueError(f"batch {batch} exceeds the largest CUDA graph ({self.max_batch_size})")
 
-    def run(self, step) -> torch.Tensor:
-        """Replay for a decode-only step; returns logits [B, vocab] (a view of the graph output)."""
+    def run(self, step, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for a decode-only step; returns logits [B, vocab] (a view of the graph output).
+        input_ids: the step's ids already on the device (asynchronous scheduling), else taken
+        from step.input_ids on the host."""
         batch = len(step.rows)
         padded = self.bucket_for(batch)
         dev = self.runner.device
-        self.input_ids[:batch].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
+        if input_ids is not None:
+            self.input_ids[:batch].copy_(input_ids)
+        else:
+            self.input_ids[:batch].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
         self.positions[:batch].copy_(torch.from_numpy(step.positions), non_blocking=True)
         self.slot_mapping[:batch].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
         self.seq_lens[:batch].copy_(

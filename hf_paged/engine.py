@@ -18,7 +18,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.model_runner import ModelRunner
 from hf_paged.request import Request, RequestOutput
-from hf_paged.sampling_params import SamplingParams
+from hf_paged.sampling_params import F_RENORM, F_WARP, SamplingParams
 from hf_paged.scheduler import Scheduler
 from hf_paged.stop_checker import build_stop_checkers
 from hf_paged.streaming import RequestStream
@@ -57,6 +57,7 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self._beam_groups: set = set()  # hf_paged.beam_search groups in flight
+        self._inflight = None  # async_scheduling: (SchedulerOutput, PendingOutput) launched
         self.peak_blocks_used = 0
 
     # -- requests --------------------------------------------------------------------------------
@@ -123,6 +124,11 @@ class Engine:
                 stop_checkers=list(stop_checkers) if stop_checkers else None,
             )
             set_bans(request, eos)
+            request.async_ok = (
+                not params.features & ~(F_WARP | F_RENORM)
+                and not params.prompt_logprobs
+                and params.n == 1
+            )
             siblings.append(request)
         parent = siblings[0]
         if params.n > 1:
@@ -164,12 +170,56 @@ class Engine:
     # -- stepping ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that got a token."""
+        """Schedule, run the model once, and report every request that got a token. With
+        async_scheduling, the step is launched before the previous step's tokens are read, and
+        the outputs reported are the previous step's."""
+        if self.config.async_scheduling:
+            return self._step_async()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.requests:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
+        self._before_execute(sched)
+        runner_out = self.runner.execute(sched, self.kv)
+        self.num_steps += 1
+        return self._after_execute(sched, runner_out, launched=False)
+
+    def _step_async(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if not self._can_run_ahead():  # this step's sampling reads tokens on the host
+            if self._inflight is not None:
+                outputs = self._resolve_inflight()
+            return outputs + self._step_sync()
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            if self._inflight is not None:  # e.g. every running request awaits its last token
+                return self._resolve_inflight()
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        self._before_execute(sched)
+        pending = self.runner.execute(sched, self.kv, async_output=True)
+        samples = set(pending.sample_rows)
+        self.scheduler.on_launched(sched, [i in samples for i in range(len(sched.requests))])
+        self.num_steps += 1
+        if self._inflight is not None:  # the GPU now runs this step while the host reads the last
+            outputs = self._resolve_inflight()
+        self._inflight = (sched, pending)
+        return outputs
+
+    def _can_run_ahead(self) -> bool:
+        return not self._beam_groups and all(r.async_ok for r in self.scheduler.requests.values())
+
+    def _resolve_inflight(self) -> list[RequestOutput]:
+        sched, pending = self._inflight
+        self._inflight = None
+        return self._after_execute(sched, pending.result(), launched=True)
+
+    def _before_execute(self, sched) -> None:
         for r in sched.preempted:
             self.runner.release(r.request_id)
         copies, changed = self.kv.take_block_changes()
@@ -179,15 +229,15 @@ class Engine:
             self.runner.copy_blocks(copies)
         used = self.kv.num_blocks - self.kv.get_num_free_blocks()
         self.peak_blocks_used = max(self.peak_blocks_used, used)
-        runner_out = self.runner.execute(sched, self.kv)
-        advanced, finished = self.scheduler.update_from_output(sched, runner_out)
+
+    def _after_execute(self, sched, runner_out, launched: bool) -> list[RequestOutput]:
+        advanced, finished = self.scheduler.update_from_output(sched, runner_out, launched)
         if self._beam_groups:  # groups whose beams all have their logits take a beam step
             for group in [g for g in self._beam_groups if g.ready()]:
                 group.step()
             self._beam_groups = {g for g in self._beam_groups if not g.done}
         for r in finished:
             self.runner.release(r.request_id)
-        self.num_steps += 1
         now = time.perf_counter()
         outputs = []
         for r in advanced:

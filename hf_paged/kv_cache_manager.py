@@ -144,7 +144,8 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        # known tokens only: a block holding a token still pending on the GPU is hashed later
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         start = self.num_cached_blocks[rid]
         if num_full <= start:
             return

@@ -68,6 +68,10 @@ class StepInputs:
     positions: np.ndarray  # int64 [num_tokens]
     input_ids: np.ndarray  # int64 [num_tokens]
     slot_mapping: np.ndarray  # int64 [num_tokens]
+    # asynchronous scheduling: tokens sampled by the previous step, not on the host yet (their
+    # input id is read on the device from ModelRunner.last_tokens); None when there are none
+    pending: np.ndarray | None  # bool [num_tokens]
+    row_of_token: np.ndarray  # int64 [num_tokens]
     max_blocks: int
     decode_only: bool
     any_logprobs: bool
@@ -101,6 +105,14 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
+        # Asynchronous scheduling: each row's last sampled token stays on the device for the next
+        # step, and lands on the host in one of two alternating (pinned) buffers.
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host_tokens = [
+            torch.empty(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
+        ]
+        self._host_flip = 0
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self.warm_up_seconds = 0.0
@@ -251,12 +263,16 @@ class ModelRunner:
         rows = np.empty(num_seqs, dtype=np.int64)
         starts = np.empty(num_seqs, dtype=np.int64)
         total_tokens = np.empty(num_seqs, dtype=np.int64)
+        known = np.empty(num_seqs, dtype=np.int64)
         any_logprobs = False
+        any_pending = False
         for i, r in enumerate(requests):
             row = ib.row_of(r)
             rows[i] = row
             starts[i] = r.num_computed_tokens
             total_tokens[i] = r.num_tokens
+            known[i] = len(r.all_token_ids)
+            any_pending |= r.num_pending > 0
             ib.sync_blocks(row, kv.get_block_ids(r.request_id))
             any_logprobs |= r.sampling_params.prompt_logprobs
         num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
@@ -279,6 +295,8 @@ class ModelRunner:
             input_ids=ib.token_ids[row_of_token, positions],
             slot_mapping=ib.block_table[row_of_token, positions // bs].astype(np.int64) * bs
             + positions % bs,
+            pending=positions >= known[seq_of_token] if any_pending else None,
+            row_of_token=row_of_token,
             max_blocks=int(ib.num_blocks[rows].max()),
             decode_only=num_tokens == num_seqs,
             any_logprobs=any_logprobs,
@@ -306,8 +324,22 @@ class ModelRunner:
         keep = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self._forward(input_ids, positions, keep)
 
+    def _device_input_ids(self, step: StepInputs) -> torch.Tensor:
+        dev = self.device
+        ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+        if step.pending is None:
+            return ids
+        # tokens the previous step sampled are only on the device: read them from last_tokens
+        pending = torch.from_numpy(step.pending).to(dev, non_blocking=True)
+        rows = torch.from_numpy(step.row_of_token).to(dev, non_blocking=True)
+        return torch.where(pending, self.last_tokens[rows], ids)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+    def execute(
+        self, sched: SchedulerOutput, kv: KVCacheManager, async_output: bool = False
+    ) -> ModelRunnerOutput | PendingOutput:
+        """Run the step. async_output: return as soon as the GPU work is queued, with a
+        PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
         requests = sched.requests
         num_seqs = len(requests)
         step = self._prepare_inputs(sched, kv)
@@ -346,10 +378,11 @@ class ModelRunner:
             and len(sample_rows) == num_seqs
             and num_seqs <= self.graphs.max_batch_size
         ):
-            logits = self.graphs.run(step)  # every row samples: logits for all, in order
+            ids_t = self._device_input_ids(step) if step.pending is not None else None
+            logits = self.graphs.run(step, ids_t)  # every row samples: logits for all, in order
         else:
             meta = self._metadata(step)
-            ids_t = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+            ids_t = self._device_input_ids(step)
             pos_t = torch.from_numpy(step.positions).to(dev, non_blocking=True)
             keep_t = torch.tensor(keep, dtype=torch.long).to(dev, non_blocking=True)
             with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
@@ -364,20 +397,66 @@ class ModelRunner:
             r.prompt_logprobs[first + 1 : first + 1 + count] = values
 
         sampled = [-1] * num_seqs
+        tokens_t = None
+        idx = np.asarray(sample_rows, dtype=np.int64)
         if sample_rows:
             if logprob_spans:
                 rows_logits = logits[torch.tensor(sample_keep, device=dev)]
             else:  # sampling rows are all of `keep`, in order
                 rows_logits = logits
-            tokens = self.sampler(rows_logits, [requests[i] for i in sample_rows]).tolist()
+            tokens_t = self.sampler(rows_logits, [requests[i] for i in sample_rows])
+            if self.config.async_scheduling:  # the next step may read them before the host does
+                rows_t = torch.from_numpy(step.rows[idx]).to(dev, non_blocking=True)
+                self.last_tokens.index_copy_(0, rows_t, tokens_t[: len(sample_rows)])
+        if async_output:
+            return PendingOutput(self, requests, sample_rows, seq_lens[idx], tokens_t)
+        if tokens_t is not None:
+            tokens = tokens_t.tolist()
             for i, t in zip(sample_rows, tokens):
                 sampled[i] = t
             # the sampled token is the next input of its request: write it into the request's row
-            idx = np.asarray(sample_rows)
             self.input_batch.token_ids[step.rows[idx], seq_lens[idx]] = tokens
         return ModelRunnerOutput(
             sampled_token_ids=sampled, fork_token_ids=self.sampler.take_fork_tokens()
         )
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """Pinned landing buffers for sampled tokens, alternating: step n+1's copy must not
+        overwrite step n's tokens before the host has read them."""
+        self._host_flip ^= 1
+        return self._host_tokens[self._host_flip][:n]
+
+
+class PendingOutput:
+    """A launched step's sampled tokens on their way to the host (asynchronous scheduling)."""
+
+    def __init__(self, runner: ModelRunner, requests, sample_rows, positions, tokens_t) -> None:
+        self.runner = runner
+        self.request_ids = [r.request_id for r in requests]
+        self.sample_rows = sample_rows
+        self.positions = positions.tolist()
+        self.event = None
+        self.host = None
+        if tokens_t is not None:
+            self.host = runner._host_buffer(len(sample_rows))
+            self.host.copy_(tokens_t, non_blocking=True)
+            if runner.device.type == "cuda":
+                self.event = torch.cuda.Event()
+                self.event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        sampled = [-1] * len(self.request_ids)
+        if self.host is None:
+            return ModelRunnerOutput(sampled_token_ids=sampled)
+        if self.event is not None:
+            self.event.synchronize()
+        ib = self.runner.input_batch
+        for i, t, pos in zip(self.sample_rows, self.host.tolist(), self.positions):
+            sampled[i] = t
+            row = ib.req_to_row.get(self.request_ids[i])
+            if row is not None:  # still running: the token is its row's next input
+                ib.token_ids[row, pos] = t
+        return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device):

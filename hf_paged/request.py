@@ -47,6 +47,11 @@ class Request:
     arrival_index: int = 0  # tie-break for equal arrival times (FCFS order)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
+    # Asynchronous scheduling: tokens sampled by launched steps whose values have not reached the
+    # host yet. They count in num_tokens (the next step computes them) but are not in
+    # all_token_ids; the step's output appends them. Always 0 between synchronous steps.
+    num_pending: int = 0
+    async_ok: bool = True  # no option that reads the token history on the host while sampling
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 = not scheduled yet
     num_preemptions: int = 0
@@ -86,7 +91,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens plus tokens sampled on the GPU but not yet known (num_pending)."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

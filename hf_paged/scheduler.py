@@ -150,7 +150,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # cannot happen for a healthy request; skip rather than spin
+            if num_new <= 0 or (
+                request.num_pending and request.num_tokens >= request.max_total_tokens
+            ):
+                # (second case: asynchronous scheduling, the token in flight is its last one)
                 i += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
@@ -229,7 +232,7 @@ class Scheduler:
         """Set the finished status if the request's last token ends it."""
         if request.all_token_ids[-1] in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
-        elif request.num_tokens >= request.max_total_tokens:
+        elif len(request.all_token_ids) >= request.max_total_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
         elif request.stop_checkers is not None and should_stop(request):
             request.status = RequestStatus.FINISHED_STOPPED  # a stop string or user criterion
@@ -253,21 +256,33 @@ class Scheduler:
             self.running.append(sibling)
         return siblings
 
+    def on_launched(self, out: SchedulerOutput, sampled: list[bool]) -> None:
+        """The step is on the GPU: its tokens count as computed, and each request that samples
+        has one more token whose value is pending until update_from_output."""
+        for request, num, samples in zip(out.requests, out.num_scheduled_tokens, sampled):
+            request.num_computed_tokens += num
+            if samples:
+                request.num_pending += 1
+
     def update_from_output(
-        self, out: SchedulerOutput, runner_output: ModelRunnerOutput
+        self, out: SchedulerOutput, runner_output: ModelRunnerOutput, launched: bool = False
     ) -> tuple[list[Request], list[Request]]:
-        """Advance progress, append sampled tokens, finish requests that stop.
-        Returns (requests that got a token, requests that finished)."""
+        """Append the step's sampled tokens, finish requests that stop (on_launched first, unless
+        the caller already did). Returns (requests that got a token, requests that finished).
+        With asynchronous scheduling, a request may have finished or been preempted since the
+        step was launched: a finished one drops its token (computed past its end), a preempted
+        one keeps it."""
+        if not launched:
+            self.on_launched(out, [t >= 0 for t in runner_output.sampled_token_ids])
         advanced: list[Request] = []
         finished: list[Request] = []
-        for request, num, token in zip(
-            out.requests, out.num_scheduled_tokens, runner_output.sampled_token_ids
-        ):
-            request.num_computed_tokens += num
-            if token < 0:
+        for request, token in zip(out.requests, runner_output.sampled_token_ids):
+            if token < 0 or request.status.finished:
                 continue
+            request.num_pending -= 1
             request.all_token_ids.append(token)
             advanced.append(request)
+            preempted = request.status == RequestStatus.PREEMPTED  # since the launch
             if request.pending_siblings:  # before the parent may finish and free its blocks
                 for sibling in self._fork_siblings(request, runner_output.fork_token_ids):
                     advanced.append(sibling)
@@ -275,6 +290,8 @@ class Scheduler:
                         finished.append(sibling)
             if self._check_stop(request):
                 finished.append(request)
+                if preempted:
+                    self.waiting.remove(request)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

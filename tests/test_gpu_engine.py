@@ -81,6 +81,17 @@ def test_graph_replay_and_compile_change_no_greedy_output_fp32():
     assert torch.equal(both, eager)
 
 
+def test_async_scheduling_changes_no_greedy_output_fp32():
+    # decode inputs read on the device (graph and eager paths), stops one step late
+    model = _model(torch.float32)
+    ids, mask = _batch(LENGTHS, seed=3)
+    # a 512-token budget: prefill chunks share steps with decodes whose input is still pending
+    sync = _generate(model, ids, mask, compile=False, cuda_graphs=False, max_num_batched_tokens=512)
+    for opts in (dict(compile=False, cuda_graphs=True), dict(compile=False, cuda_graphs=False)):
+        out = _generate(model, ids, mask, async_scheduling=True, max_num_batched_tokens=512, **opts)
+        assert torch.equal(out, sync), opts
+
+
 def test_graphs_used_for_decode_steps():
     model = _model(torch.bfloat16)
     ids, mask = _batch([5, 9, 30], seed=2)
@@ -91,7 +102,9 @@ def test_graphs_used_for_decode_steps():
         assert engine.runner.graphs.buckets[:4] == [1, 2, 4, 8]
         calls = []
         real_run = engine.runner.graphs.run
-        engine.runner.graphs.run = lambda step: calls.append(len(step.rows)) or real_run(step)
+        engine.runner.graphs.run = lambda step, ids=None: (
+            calls.append(len(step.rows)) or real_run(step, ids)
+        )
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
         assert calls and all(c == 3 for c in calls)  # every decode step replayed a graph
     finally:
