@@ -24,6 +24,9 @@ class InputBatch:
         # pinning this table would buy nothing.
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # bumped whenever a row changes hands: a token that lands after its step (asynchronous
+        # scheduling) is written only if the row still belongs to the request that sampled it
+        self.epoch = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -37,6 +40,7 @@ class InputBatch:
         if not self.free_rows:
             raise RuntimeError("more running requests than max_num_seqs rows")
         row = self.free_rows.pop()
+        self.epoch[row] += 1
         tokens = request.all_token_ids
         self.token_ids[row, : len(tokens)] = tokens
         self.num_blocks[row] = 0
@@ -47,6 +51,7 @@ class InputBatch:
         row = self.req_to_row.pop(request_id, None)
         if row is not None:
             self.num_blocks[row] = 0
+            self.epoch[row] += 1
             self.free_rows.append(row)
 
     def sync_blocks(self, row: int, block_ids: list[int]) -> None:

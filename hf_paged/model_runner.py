@@ -409,7 +409,9 @@ class ModelRunner:
                 rows_t = torch.from_numpy(step.rows[idx]).to(dev, non_blocking=True)
                 self.last_tokens.index_copy_(0, rows_t, tokens_t[: len(sample_rows)])
         if async_output:
-            return PendingOutput(self, requests, sample_rows, seq_lens[idx], tokens_t)
+            return PendingOutput(
+                self, num_seqs, sample_rows, step.rows[idx], seq_lens[idx], tokens_t
+            )
         if tokens_t is not None:
             tokens = tokens_t.tolist()
             for i, t in zip(sample_rows, tokens):
@@ -430,11 +432,13 @@ class ModelRunner:
 class PendingOutput:
     """A launched step's sampled tokens on their way to the host (asynchronous scheduling)."""
 
-    def __init__(self, runner: ModelRunner, requests, sample_rows, positions, tokens_t) -> None:
+    def __init__(self, runner: ModelRunner, num_seqs, sample_rows, rows, positions, tokens_t):
         self.runner = runner
-        self.request_ids = [r.request_id for r in requests]
-        self.sample_rows = sample_rows
-        self.positions = positions.tolist()
+        self.num_seqs = num_seqs
+        self.sample_rows = sample_rows  # indices into the step's requests
+        self.rows = rows  # their InputBatch rows, and the epochs of those rows now
+        self.epochs = runner.input_batch.epoch[rows]
+        self.positions = positions  # where each sampled token goes in its row
         self.event = None
         self.host = None
         if tokens_t is not None:
@@ -445,17 +449,18 @@ class PendingOutput:
                 self.event.record()
 
     def result(self) -> ModelRunnerOutput:
-        sampled = [-1] * len(self.request_ids)
+        sampled = [-1] * self.num_seqs
         if self.host is None:
             return ModelRunnerOutput(sampled_token_ids=sampled)
         if self.event is not None:
             self.event.synchronize()
-        ib = self.runner.input_batch
-        for i, t, pos in zip(self.sample_rows, self.host.tolist(), self.positions):
+        tokens = self.host.numpy().copy()
+        for i, t in zip(self.sample_rows, tokens.tolist()):
             sampled[i] = t
-            row = ib.req_to_row.get(self.request_ids[i])
-            if row is not None:  # still running: the token is its row's next input
-                ib.token_ids[row, pos] = t
+        # still running (row not released or reused): the token is its row's next input
+        ib = self.runner.input_batch
+        live = ib.epoch[self.rows] == self.epochs
+        ib.token_ids[self.rows[live], self.positions[live]] = tokens[live]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

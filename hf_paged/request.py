@@ -19,16 +19,19 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
 
-    @property
-    def finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
-
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+# Plain attributes per member rather than properties or dict lookups: `status.finished` is read
+# several times per request per step, and an enum property or hash costs ~1 us each.
+for _status in RequestStatus:
+    _status.finished = _status.value >= RequestStatus.FINISHED_STOPPED.value
+    _status.reason = FINISH_REASONS.get(_status)
+del _status
 
 
 @dataclass(slots=True, eq=False)
@@ -104,7 +107,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)
+        return self.status.reason
 
     def sort_key(self, policy: str) -> tuple:
         """Smaller = served first. FCFS: arrival order. Priority: priority value, then arrival."""
