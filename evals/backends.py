@@ -158,6 +158,9 @@ def run_paged(
         pbar.close()
         stats = engine.stats()
         peak, kind = _peak_memory(device)
+        # the KV cache and any fused projections must not outlive this backend's run: the
+        # baselines that follow get the model (and the memory) as loaded
+        engine.shutdown()
     queries = stats.get("prefix_cache_queries", 0) - stats0.get("prefix_cache_queries", 0)
     hits = stats.get("prefix_cache_hits", 0) - stats0.get("prefix_cache_hits", 0)
     extra = {
@@ -175,6 +178,7 @@ def run_paged(
             "compile": engine.runner.compiled,
             "cuda_graphs": engine.runner.graphs is not None,
             "async_scheduling": engine.config.async_scheduling,
+            "fuse_projections": engine.config.fuse_projections,
             "startup_s": startup_s,
         },
     }

@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="paged engine: launch step n+1 before step n's tokens reach the host",
     )
+    thr.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="paged engine: q/k/v and gate/up projections as one matmul each",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
     exp = sub.add_parser(
@@ -276,6 +281,7 @@ def cmd_throughput(args) -> int:
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("compile", {"auto": None, "on": True, "off": False}[args.compile]),
             ("async_scheduling", True if args.async_scheduling else None),
+            ("fuse_projections", True if args.fuse_projections else None),
         )
         if v is not None
     }

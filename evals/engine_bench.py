@@ -32,7 +32,9 @@ def main() -> None:
     shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
     only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
     opts = {
-        k: (v == "1") if k in ("compile", "cuda_graphs", "async_scheduling") else int(v)
+        k: (v == "1")
+        if k in ("compile", "cuda_graphs", "async_scheduling", "fuse_projections")
+        else int(v)
         for k, v in opts.items()
     }
     spec = importlib.util.spec_from_file_location("evals_run", Path(__file__).parent / "run.py")

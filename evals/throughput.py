@@ -200,7 +200,8 @@ def format_table(result: dict, model_desc: str) -> str:
                 f"- {r['metrics']['backend']} (c={r['metrics']['concurrency']}): torch.compile "
                 f"{'on' if eng['compile'] else 'off'}, CUDA graphs "
                 f"{'on' if eng['cuda_graphs'] else 'off'}, async scheduling "
-                f"{'on' if eng.get('async_scheduling') else 'off'}, "
+                f"{'on' if eng.get('async_scheduling') else 'off'}, fused projections "
+                f"{'on' if eng.get('fuse_projections') else 'off'}, "
                 f"engine start-up {eng['startup_s']:.1f} s"
             )
     return "\n".join(lines)

@@ -36,6 +36,9 @@ class EngineConfig:
     # host (penalties, n-gram bans, bad-word prefixes, min_tokens, user processors, logprobs,
     # scores, n > 1, beams, prompt logprobs) run synchronously.
     async_scheduling: bool = False
+    # q/k/v and gate/up projections as one matmul each (integrations/fused_projections.py); the
+    # model is put back by Engine.shutdown / unpatch. Off until measured on the H200.
+    fuse_projections: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
@@ -47,6 +50,7 @@ class EngineConfig:
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "async_scheduling",
+            "fuse_projections",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -46,6 +46,11 @@ class Engine:
             config.compile = device.type == "cuda"
         if not config.enable_chunked_prefill:
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
+        self.num_fused_projections = 0
+        if config.fuse_projections:  # before compile and graph capture see the model
+            from hf_paged.integrations.fused_projections import fuse_projections
+
+            self.num_fused_projections = fuse_projections(model)
         self.runner = ModelRunner(model, config)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -334,8 +339,14 @@ class Engine:
 
     def shutdown(self) -> None:
         """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the
-        garbage collector breaks the runner's reference cycles. The engine cannot step after."""
+        garbage collector breaks the runner's reference cycles, and put fused projections back.
+        The engine cannot step after."""
         self.runner.shutdown()
+        if self.num_fused_projections:
+            from hf_paged.integrations.fused_projections import unfuse_projections
+
+            unfuse_projections(self.model)
+            self.num_fused_projections = 0
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -71,6 +71,12 @@ def test_shared_prefix_hits_prefix_cache():
         output_len=2,
     )
     wl.max_concurrency = 1
-    run_ = backends.run_paged(loaded.model, wl, concurrency=1, progress=False)
+    names = list(loaded.model.state_dict())
+    run_ = backends.run_paged(
+        loaded.model, wl, concurrency=1, engine_options={"fuse_projections": True}, progress=False
+    )
     assert [t.output_len for t in run_.timings] == [2, 2, 2]
     assert run_.extra["prefix_cache_hit_rate"] > 0.5
+    assert run_.extra["engine"]["fuse_projections"]
+    # the baselines that follow in the same invocation get the model as loaded
+    assert list(loaded.model.state_dict()) == names

@@ -92,6 +92,15 @@ def test_async_scheduling_changes_no_greedy_output_fp32():
         assert torch.equal(out, sync), opts
 
 
+def test_fused_projections_change_no_greedy_output_fp32():
+    model = _model(torch.float32)
+    ids, mask = _batch(LENGTHS, seed=4)
+    plain = _generate(model, ids, mask, compile=False, cuda_graphs=False)
+    for opts in (dict(compile=False, cuda_graphs=True), dict(compile=True, cuda_graphs=True)):
+        out = _generate(model, ids, mask, fuse_projections=True, **opts)
+        assert torch.equal(out, plain), opts
+
+
 def test_graphs_used_for_decode_steps():
     model = _model(torch.bfloat16)
     ids, mask = _batch([5, 9, 30], seed=2)

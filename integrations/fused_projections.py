@@ -1,0 +1,141 @@
+"""Fused projections: q/k/v into one matmul, gate/up into one, without touching the model's code.
+
+transformers' attention and MLP forwards call `self.q_proj(x)`, `self.k_proj(x)`, `self.v_proj(x)`
+(and `self.gate_proj(x)`, `self.up_proj(x)`) one after another on the same input. Each group's
+weights are concatenated into one `[sum(out), in]` matrix; the group's first projection computes
+the whole product and the others return their slice of it. A projection called on another input
+(an architecture that does not call them in order) computes its own slice from the fused weight,
+so the result is always that of the original layers; only the number of matmuls changes.
+
+One launch instead of three (or two) per layer matters where those launches are short: decode at
+small batch, where the k/v projections of a GQA model move only a few MB each.
+
+Only plain `nn.Linear` groups with one input size, dtype and device are fused: LoRA-wrapped or
+quantised layers (peft, bitsandbytes) are left as they are. `unfuse_projections` puts the
+original layout back (weights become views into the fused matrix: no extra memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_FUSED_PREFIX = "hf_paged_fused_"
+
+
+class FusedProjection(nn.Module):
+    """The concatenated weight of one group, and the product of the last input it saw."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        self.sizes = [layer.out_features for layer in linears]
+        with torch.no_grad():  # inference only: the engine never trains through these
+            self.weight = nn.Parameter(
+                torch.cat([layer.weight for layer in linears]), requires_grad=False
+            )
+            biases = [layer.bias for layer in linears]
+            self.bias = (
+                nn.Parameter(torch.cat(biases), requires_grad=False)
+                if biases[0] is not None
+                else None
+            )
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] | None = None
+
+    def rows(self, index: int) -> slice:
+        start = sum(self.sizes[:index])
+        return slice(start, start + self.sizes[index])
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == 0:
+            self._parts = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._input = x
+        elif self._input is not x:  # not the group's usual call order: compute this slice only
+            rows = self.rows(index)
+            bias = None if self.bias is None else self.bias[rows]
+            return F.linear(x, self.weight[rows], bias)
+        out = self._parts[index]
+        if index == len(self.sizes) - 1:  # last of the group: hold no activations between calls
+            self._input = self._parts = None
+        return out
+
+
+class ProjectionSlice(nn.Module):
+    """Stands where one of the group's nn.Linear was; weight/bias are views of the fused ones."""
+
+    def __init__(self, fused: FusedProjection, index: int, original: nn.Linear) -> None:
+        super().__init__()
+        object.__setattr__(self, "fused", fused)  # not a submodule: its weight is stored once
+        self.index = index
+        self.in_features = original.in_features
+        self.out_features = original.out_features
+        self.requires_grad = original.weight.requires_grad  # restored by unfuse_projections
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.fused.rows(self.index)]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        b = self.fused.bias
+        return None if b is None else b[self.fused.rows(self.index)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(self.index, x)
+
+
+def _fusable(layers: list) -> bool:
+    if not all(type(layer) is nn.Linear for layer in layers):
+        return False
+    first = layers[0]
+    return all(
+        layer.in_features == first.in_features
+        and layer.weight.dtype == first.weight.dtype
+        and layer.weight.device == first.weight.device
+        and (layer.bias is None) == (first.bias is None)
+        for layer in layers
+    )
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every q/k/v and gate/up group of plain linear layers; returns how many groups."""
+    count = 0
+    for module in list(model.modules()):
+        for names in GROUPS:
+            layers = [getattr(module, name, None) for name in names]
+            if any(layer is None for layer in layers) or not _fusable(layers):
+                continue
+            fused = FusedProjection(layers)
+            setattr(module, _FUSED_PREFIX + "_".join(names), fused)
+            for index, (name, layer) in enumerate(zip(names, layers)):
+                setattr(module, name, ProjectionSlice(fused, index, layer))
+            count += 1
+    return count
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Put nn.Linear layers back (their weights views of the fused matrix); returns groups."""
+    count = 0
+    for module in list(model.modules()):
+        for names in GROUPS:
+            key = _FUSED_PREFIX + "_".join(names)
+            fused = getattr(module, key, None)
+            if fused is None:
+                continue
+            for index, name in enumerate(names):
+                part: ProjectionSlice = getattr(module, name)
+                layer = nn.Linear(
+                    part.in_features,
+                    part.out_features,
+                    bias=fused.bias is not None,
+                    device="meta",
+                )
+                layer.weight = nn.Parameter(part.weight, requires_grad=part.requires_grad)
+                if fused.bias is not None:
+                    layer.bias = nn.Parameter(part.bias, requires_grad=part.requires_grad)
+                setattr(module, name, layer)
+            delattr(module, key)
+            count += 1
+    return count
