@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dataset", default="sharegpt")
     exp.add_argument("--file", required=True, help="output .json path")
 
+    rep = sub.add_parser(
+        "report",
+        help="one side-by-side table from throughput results of separate invocations "
+        "(e.g. one device call per backend), with the ratios",
+    )
+    rep.add_argument("files", nargs="+")
+    rep.add_argument("--out", default=str(RESULTS_DIR))
+
     plots = sub.add_parser("plots", help="PNG plots from throughput results JSON")
     plots.add_argument("files", nargs="+")
     plots.add_argument("--out", default=str(RESULTS_DIR))
@@ -320,6 +328,33 @@ def cmd_throughput(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .throughput import format_table, merge_results
+
+    loaded = []
+    for name in args.files:
+        try:
+            payload = json.loads(Path(name).read_text())
+            loaded.append((name, payload["model"], payload["results"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise EvalError(f"{name}: not a throughput results file ({exc})") from None
+    models = {model for _, model, _ in loaded}
+    if len(models) > 1:
+        raise EvalError(f"results are for different models: {sorted(models)}")
+    merged = merge_results([(name, results) for name, _, results in loaded])
+    desc = models.pop()
+    tables = [format_table(res, desc) for res in merged]
+    note = "- merged from separate invocations: " + ", ".join(Path(f).name for f in args.files)
+    tables = [t + "\n" + note for t in tables]
+    print("\n\n".join(tables))
+    stem = f"report-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = _save(
+        args.out, stem, {"argv": sys.argv, "model": desc, "results": merged}, "\n\n".join(tables)
+    )
+    print(f"results: {path}")
+    return 0
+
+
 def cmd_export(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -356,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_throughput(args)
         if args.command == "export-workload":
             return cmd_export(args)
+        if args.command == "report":
+            return cmd_report(args)
         from . import plots
 
         for path in args.files:

@@ -9,6 +9,7 @@ from dataclasses import asdict
 import torch
 
 from .backends import BackendRun, run_backend
+from .errors import EvalError
 from .roofline import Hardware, model_costs, workload_bound
 from .workloads import Workload
 
@@ -87,6 +88,31 @@ def run_throughput(
         "runs": runs,
         "ratios": ratios(runs),
     }
+
+
+def merge_results(files: list[tuple[str, list[dict]]]) -> list[dict]:
+    """Results of several invocations (say one backend each) as one result per workload: runs
+    concatenated, ratios recomputed. The workload and hardware must match exactly."""
+    merged: dict[str, dict] = {}
+    for name, results in files:
+        for res in results:
+            key = res["workload"]["name"]
+            if key not in merged:
+                merged[key] = {**res, "runs": list(res["runs"])}
+                continue
+            have = merged[key]
+            for field_ in ("workload", "hardware"):
+                if res[field_] != have[field_]:
+                    raise EvalError(
+                        f"{name}: {field_} differs from the other results for {key!r} "
+                        f"({res[field_]} vs {have[field_]})"
+                    )
+            have["runs"] += res["runs"]
+            if any(r["metrics"]["backend"] == "paged" for r in res["runs"]):
+                have["roofline"] = res["roofline"]  # the bound at the engine's concurrency
+    for res in merged.values():
+        res["ratios"] = ratios(res["runs"])
+    return list(merged.values())
 
 
 def ratios(runs: list[dict]) -> list[dict]:

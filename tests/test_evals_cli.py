@@ -115,3 +115,31 @@ def test_roofline_matches_gpu_md_peer_bounds():
     b1 = roofline.workload_bound(costs, workloads.batch1(32000), 1, roofline.H200)
     assert 150e3 < w1["output_tok_s"] < 250e3
     assert 1.6e3 < b1["output_tok_s"] < 2.4e3
+
+
+def test_report_merges_separate_invocations_with_ratios(tmp_path, capsys):
+    common = ["--limit", "3", "--max-new-tokens", "2", "--no-progress", "--no-plots"]
+    files = []
+    for backend in ("paged", "hf"):
+        out = tmp_path / backend
+        assert run.main(["throughput", "--backend", backend, *common, "--out", str(out)]) == 0
+        files += [str(p) for p in out.glob("throughput-*.json")]
+    capsys.readouterr()
+    assert run.main(["report", *files, "--out", str(tmp_path / "merged")]) == 0
+    text = capsys.readouterr().out
+    assert "| paged |" in text and "| hf |" in text
+    assert "ratio paged (c=256) / hf (c=64)" in text
+    assert "merged from separate invocations" in text
+    # another workload cannot be merged into the same table
+    other = tmp_path / "other"
+    assert (
+        run.main(
+            ["throughput", "--backend", "hf", *common[:1], "4", *common[2:], "--out", str(other)]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert run.main(["report", files[0], *map(str, other.glob("*.json"))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "workload differs" in err[0]
+    assert run.main(["report", str(tmp_path / "nope.json")]) == 2
