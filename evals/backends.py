@@ -176,6 +176,7 @@ def run_paged(
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
         "engine": {
             "compile": engine.runner.compiled,
+            "compile_scope": engine.runner.compile_scope,
             "cuda_graphs": engine.runner.graphs is not None,
             "async_scheduling": engine.config.async_scheduling,
             "fuse_projections": engine.config.fuse_projections,

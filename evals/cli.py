@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="paged engine torch.compile (auto: on for CUDA)",
     )
     thr.add_argument(
+        "--compile-scope",
+        choices=("model", "layers"),
+        default=None,
+        help="paged engine: compile the whole forward or each decoder layer (one shared graph)",
+    )
+    thr.add_argument(
         "--async-scheduling",
         action="store_true",
         help="paged engine: launch step n+1 before step n's tokens reach the host",
@@ -288,6 +294,7 @@ def cmd_throughput(args) -> int:
             ("num_blocks", args.num_blocks),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("compile", {"auto": None, "on": True, "off": False}[args.compile]),
+            ("compile_scope", args.compile_scope),
             ("async_scheduling", True if args.async_scheduling else None),
             ("fuse_projections", True if args.fuse_projections else None),
         )

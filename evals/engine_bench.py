@@ -31,6 +31,10 @@ def main() -> None:
     opts = dict(arg.split("=") for arg in sys.argv[1:])
     shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
     only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
+    if "compile_scope" in opts:  # model | layers (the only string option)
+        scope = opts.pop("compile_scope")
+    else:
+        scope = None
     opts = {
         k: (v == "1")
         if k in ("compile", "cuda_graphs", "async_scheduling", "fuse_projections")
@@ -44,6 +48,8 @@ def main() -> None:
     models = importlib.import_module("hf_paged_evals.models")
     model = models.build_random_model(shape, torch.bfloat16, torch.device("cuda"))
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, bf16")
+    if scope is not None:
+        opts["compile_scope"] = scope
     t0 = time.perf_counter()
     eng = Engine(model, **opts)
     print(

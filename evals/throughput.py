@@ -224,7 +224,8 @@ def format_table(result: dict, model_desc: str) -> str:
         if eng:  # start-up is outside the clock: say what it cost
             lines.append(
                 f"- {r['metrics']['backend']} (c={r['metrics']['concurrency']}): torch.compile "
-                f"{'on' if eng['compile'] else 'off'}, CUDA graphs "
+                f"{'on (' + str(eng.get('compile_scope')) + ')' if eng['compile'] else 'off'}, "
+                "CUDA graphs "
                 f"{'on' if eng['cuda_graphs'] else 'off'}, async scheduling "
                 f"{'on' if eng.get('async_scheduling') else 'off'}, fused projections "
                 f"{'on' if eng.get('fuse_projections') else 'off'}, "

@@ -127,9 +127,6 @@ def paged_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"paged attention expects the flat batch as one row, got {query.shape}")
     _refuse_unsupported(module, kwargs)
-    layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
-        raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -137,11 +134,20 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else 0.0
+    # The layer index as a CPU tensor buffer where the engine registered one: compiled, a Python
+    # int would be a constant guarded per layer, so compiled decoder layers would compile once
+    # per layer instead of sharing one graph (hf_paged/compilation.py).
+    layer = module._buffers.get(LAYER_BUFFER) if hasattr(module, "_buffers") else None
+    if layer is None:
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None:
+            raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
+        layer = torch.tensor(layer_idx) if torch.compiler.is_compiling() else layer_idx
     if torch.compiler.is_compiling():
         # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
-        out = torch.ops.hf_paged.paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention(q, k, v, layer, float(scaling), window, cap)
     else:
-        out = _paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
+        out = _paged_attention(q, k, v, int(layer), float(scaling), window, cap)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 
@@ -194,20 +200,37 @@ def _paged_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layer_idx: int,
+    layer: torch.Tensor,
     scale: float,
     sliding_window: int,
     softcap: float,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
-    # the per-layer order.
-    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap)
+    # the per-layer order. `layer` is a CPU scalar: reading it costs no device sync.
+    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, layer_idx, scale, sliding_window, softcap):
+def _(q, k, v, layer, scale, sliding_window, softcap):
     return q.new_empty(q.shape)
+
+
+LAYER_BUFFER = "hf_paged_layer_idx"
+
+
+def register_layer_indices(model: torch.nn.Module) -> None:
+    """Give every module with an int layer_idx a non-persistent CPU buffer holding it (see the
+    compiled path of paged_attention_forward); never saved in the state_dict."""
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and LAYER_BUFFER not in module._buffers:
+            module.register_buffer(LAYER_BUFFER, torch.tensor(idx), persistent=False)
+
+
+def remove_layer_indices(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        module._buffers.pop(LAYER_BUFFER, None)
 
 
 def paged_mask(*args, **kwargs):

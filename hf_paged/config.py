@@ -30,6 +30,9 @@ class EngineConfig:
     # the H200 (TinyLlama-1.1B shape, W1, with CUDA graphs): 39-43k output tokens/s against 31k
     # eager, for ~60 s more start-up (README, Measured).
     compile: bool | None = None
+    # "model": one graph for the whole forward; "layers": each decoder layer compiled, all
+    # sharing one graph (start-up of one layer's compile). hf_paged/compilation.py
+    compile_scope: str = "model"
     # Overlap: schedule and launch step n+1 before step n's tokens reach the host (they are read
     # on the device); stop checks run one step late, so a request that stops computes one token
     # more, which is dropped. Steps with a request whose sampling reads its token history on the
@@ -56,6 +59,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True, False or None (auto), got {self.compile!r}")
+        if self.compile_scope not in ("model", "layers"):
+            raise ValueError(
+                f"compile_scope must be 'model' or 'layers', got {self.compile_scope!r}"
+            )
         positive("block_size", self.block_size)
         positive("num_blocks", self.num_blocks)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)

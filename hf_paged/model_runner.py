@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hf_paged.attention import make_backend
+from hf_paged.compilation import compile_model
 from hf_paged.config import EngineConfig
 from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
 from hf_paged.input_batch import InputBatch
@@ -95,12 +96,12 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        use_compile = config.compile
-        # The token dimension varies every step: compile it dynamic once instead of recompiling
-        # per length. Attention is an opaque custom op inside the compiled graph (attention.py).
-        self._model_forward = (
-            torch.compile(model, dynamic=True, fullgraph=False) if use_compile else model
-        )
+        use_compile = bool(config.compile)
+        self._model_forward = model
+        self._undo_compile = None
+        self.compile_scope = config.compile_scope if use_compile else None
+        if use_compile:  # hf_paged/compilation.py: whole forward or one graph for every layer
+            self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self.compiled = use_compile
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
@@ -219,6 +220,9 @@ class ModelRunner:
             # (~35 s for 22 layers): a lone token runs eager (graphs pad batch 1 to 2, so only
             # a mixed step of one 1-token prompt gets here) and one kept row is kept twice.
             if input_ids.shape[0] == 1:
+                if self.compile_scope == "layers":  # the layers are compiled in place
+                    with torch.compiler.set_stance("force_eager"):
+                        return self._call_model(self.model, input_ids, positions, keep)
                 model = self.model
             elif keep.shape[0] == 1:
                 return self._call_model(self._model_forward, input_ids, positions, keep.repeat(2))[
@@ -238,6 +242,9 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.graphs = None
         self.kv_caches = []
+        if self._undo_compile is not None:  # the model goes back to its owner as it came
+            self._undo_compile()
+            self._undo_compile = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -5,6 +5,7 @@ when a single prompt finishes) and send single tokens; none of that may compile 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -17,8 +18,10 @@ def _prompts():
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_compiled_engine_matches_eager_and_compiles_once(tiny_model):
-    model = tiny_model("llama", num_hidden_layers=1)
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_compiled_engine_matches_eager_and_compiles_once(tiny_model, scope):
+    # two layers: under scope "layers" they must share one graph (layer index not a constant)
+    model = tiny_model("llama", num_hidden_layers=2)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     opts = dict(attention_backend="torch", block_size=16, max_num_batched_tokens=96)
     eager = Engine(model, compile=False, **opts)
@@ -27,7 +30,7 @@ def test_compiled_engine_matches_eager_and_compiles_once(tiny_model):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = Engine(model, compile=True, **opts)
+    compiled = Engine(model, compile=True, compile_scope=scope, **opts)
     prompts = _prompts()
     # one prompt alone: a mixed step of one 1-token prompt, then one kept row with many tokens
     assert compiled.generate([prompts[0]], params)[0].output_token_ids == expected[0]
@@ -36,7 +39,15 @@ def test_compiled_engine_matches_eager_and_compiles_once(tiny_model):
     assert got == expected
     frames = torch._dynamo.utils.counters["frames"]
     assert compiled.runner.compiled
-    # the model forward compiled once (the CPU start-up forward), never again in the run
+    # compiled once (at the first forward), never again in the run
     assert frames["ok"] >= 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(frames)
     compiled.check_invariants()
+    compiled.shutdown()  # the model goes back uncompiled, without our buffers
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    assert not any("hf_paged" in name for name, _ in model.named_buffers())
+
+
+def test_compile_scope_is_validated(tiny_model):
+    with pytest.raises(ValueError, match="compile_scope"):
+        Engine(tiny_model("llama"), compile=True, compile_scope="everything")

@@ -77,8 +77,10 @@ def test_graph_replay_and_compile_change_no_greedy_output_fp32():
     eager = _generate(model, ids, mask, compile=False, cuda_graphs=False)
     graphs = _generate(model, ids, mask, compile=False, cuda_graphs=True)
     both = _generate(model, ids, mask, compile=True, cuda_graphs=True)
+    layers = _generate(model, ids, mask, compile=True, compile_scope="layers", cuda_graphs=True)
     assert torch.equal(graphs, eager)
     assert torch.equal(both, eager)
+    assert torch.equal(layers, eager)
 
 
 def test_async_scheduling_changes_no_greedy_output_fp32():
