@@ -31,6 +31,7 @@ def main() -> None:
     opts = dict(arg.split("=") for arg in sys.argv[1:])
     shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
     only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
+    table = opts.pop("kernels", "0") == "1"  # kernels=1: per-kernel launches in the breakdown
     if "compile_scope" in opts:  # model | layers (the only string option)
         scope = opts.pop("compile_scope")
     else:
@@ -75,7 +76,7 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"batch-1 decode: {len(one.output_token_ids) / (time.perf_counter() - t):,.0f} tok/s")
     for batch in (256, 1) if only != "batch1" else (1,):
-        print(breakdown(eng, prompts, batch))
+        print(breakdown(eng, prompts, batch, kernel_table=table))
 
 
 def w1_prompts(seed: int) -> list[list[int]]:
@@ -122,8 +123,9 @@ def w1(eng, prompts, opts, run: str) -> None:
     )
 
 
-def breakdown(eng, prompts, batch: int, steps: int = 20) -> str:
-    """Decode-only steady state with `batch` running requests: profile `steps` engine steps."""
+def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = False) -> str:
+    """Decode-only steady state with `batch` running requests: profile `steps` engine steps.
+    kernel_table: also list the kernels by launches per step (what to fuse next)."""
     from torch.profiler import ProfilerActivity, profile
 
     from hf_paged import SamplingParams
@@ -161,11 +163,21 @@ def breakdown(eng, prompts, batch: int, steps: int = 20) -> str:
     while eng.has_unfinished_requests():
         eng.step()
     per = wall / steps * 1e3
-    return (
+    text = (
         f"steady state, {batch} running decodes: {per:.2f} ms/step wall, GPU busy "
         f"{busy / 1e3 / steps:.2f} ms/step ({busy / 1e3 / steps / per:.0%}), "
         f"{len(kernels) / steps:.0f} kernels/step"
     )
+    if kernel_table:
+        by_name: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+        text += "\n  launches/step  us/step  kernel"
+        for name, times in rows:
+            text += f"\n  {len(times) / steps:13.1f} {sum(times) / steps:8.1f}  {name[:90]}"
+    return text
 
 
 if __name__ == "__main__":
