@@ -51,7 +51,14 @@ class Engine:
             from hf_paged.integrations.fused_projections import fuse_projections
 
             self.num_fused_projections = fuse_projections(model)
-        self.runner = ModelRunner(model, config)
+        try:
+            self.runner = ModelRunner(model, config)
+        except Exception:  # bad options found by the runner: hand the model back unfused
+            if self.num_fused_projections:
+                from hf_paged.integrations.fused_projections import unfuse_projections
+
+                unfuse_projections(model)
+            raise
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -103,6 +103,15 @@ class ModelRunner:
         if use_compile:  # hf_paged/compilation.py: whole forward or one graph for every layer
             self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self.compiled = use_compile
+        try:
+            self._start(config)
+        except Exception:  # e.g. no memory left for the KV cache: the model goes back as it came
+            if self._undo_compile is not None:
+                self._undo_compile()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
+        """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)

@@ -178,6 +178,16 @@ def test_bad_engine_options(tiny_model):
         Engine(model, max_batch=3)
     with pytest.raises(ValueError, match="scheduling_policy"):
         Engine(model, scheduling_policy="lifo")
+    for name in ("cuda_graphs", "fuse_projections", "async_scheduling", "enable_prefix_caching"):
+        with pytest.raises(ValueError, match=name):
+            Engine(model, **{name: 1})
+    with pytest.raises(ValueError, match="compile"):
+        Engine(model, compile="yes")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Engine(model, fuse_projections=True, kv_cache_dtype="int8")
+    # a refused option leaves the model as it was: no fused layers, no hf_paged buffers
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert not any("hf_paged" in name for name, _ in model.named_buffers())
 
 
 def test_patch_refuses_models_without_the_attention_interface(tiny_model):
