@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,7 @@ class ModelRunner:
         if use_compile:  # hf_paged/compilation.py: whole forward or one graph for every layer
             self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self.compiled = use_compile
+        self._compile_ok = False
         try:
             self._start(config)
         except Exception:  # e.g. no memory left for the KV cache: the model goes back as it came
@@ -221,6 +223,34 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
+        if self.compiled and not self._compile_ok:  # the first compiled forward compiles
+            try:
+                out = self._forward_impl(input_ids, positions, keep)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                self._fall_back_to_eager(exc)
+                return self._forward_impl(input_ids, positions, keep)
+            self._compile_ok = True
+            return out
+        return self._forward_impl(input_ids, positions, keep)
+
+    def _fall_back_to_eager(self, exc: Exception) -> None:
+        """torch.compile could not compile this model: run it eagerly rather than not at all,
+        and say so (compile=False skips the attempt)."""
+        warnings.warn(
+            f"hf_paged: torch.compile failed for {type(self.model).__name__} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); running the model "
+            "without compile. Pass compile=False to skip the attempt.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        if self._undo_compile is not None:
+            self._undo_compile()
+            self._undo_compile = None
+        self._model_forward = self.model
+        self.compiled = False
+        self.compile_scope = None
+
+    def _forward_impl(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
         # One calling convention for every forward (profiling, CUDA-graph capture, steps): the
         # compiled frame guards on the kwargs, so a different set would compile the model again.
         model = self._model_forward

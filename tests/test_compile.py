@@ -51,3 +51,27 @@ def test_compiled_engine_matches_eager_and_compiles_once(tiny_model, scope):
 def test_compile_scope_is_validated(tiny_model):
     with pytest.raises(ValueError, match="compile_scope"):
         Engine(tiny_model("llama"), compile=True, compile_scope="everything")
+
+
+def test_a_model_compile_cannot_handle_runs_eager_with_a_warning(tiny_model, monkeypatch):
+    import hf_paged.model_runner as model_runner
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = [o.output_token_ids for o in Engine(model).generate(prompts, params)]
+    undone = []
+
+    def failing_compile(m, scope):
+        def forward(*args, **kwargs):
+            raise torch._dynamo.exc.TorchDynamoException("inductor could not lower this model")
+
+        return forward, lambda: undone.append(True)
+
+    monkeypatch.setattr(model_runner, "compile_model", failing_compile)
+    eng = Engine(model, compile=True)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed"):
+        got = [o.output_token_ids for o in eng.generate(prompts, params)]
+    assert got == want
+    assert not eng.runner.compiled and undone == [True]
+    eng.check_invariants()
