@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hf_paged.async_output import PendingOutput
 from hf_paged.attention import make_backend
 from hf_paged.compilation import compile_model
 from hf_paged.config import EngineConfig
@@ -25,36 +26,7 @@ from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.request import Request
 from hf_paged.sampler import Sampler
 from hf_paged.scheduler import ModelRunnerOutput, SchedulerOutput
-
-
-class KVCacheSpec:
-    """Per-layer KV geometry read from the model config."""
-
-    def __init__(self, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> None:
-        cfg = model.config.get_text_config()
-        self.num_layers = cfg.num_hidden_layers
-        num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        self.block_size = block_size
-        self.dtype = dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    def allocate(
-        self, num_blocks: int, device: torch.device
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
-            )
-            for _ in range(self.num_layers)
-        ]
+from hf_paged.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
 
 
 @dataclass(slots=True)
@@ -114,7 +86,7 @@ class ModelRunner:
 
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""
-        self.num_blocks = self._determine_num_blocks()
+        self.num_blocks = determine_num_blocks(self)
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         # Asynchronous scheduling: each row's last sampled token stays on the device for the next
@@ -130,7 +102,7 @@ class ModelRunner:
         self.warm_up_seconds = 0.0
         if self.device.type == "cuda" and self.backend.name == "triton":
             t0 = time.perf_counter()
-            self._warm_up_kernels()
+            warm_up_kernels(self)
             self.warm_up_seconds = time.perf_counter() - t0
         if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
             from hf_paged.cuda_graphs import CudaGraphRunner
@@ -139,86 +111,6 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()
             self.graph_capture_seconds = time.perf_counter() - t0
-
-    # -- start-up --------------------------------------------------------------------------------
-
-    def _determine_num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        per_block = self.spec.bytes_per_block
-        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
-        if self.device.type != "cuda":
-            # Enough for max_num_seqs full-length sequences, within cpu_kv_cache_bytes.
-            return max(
-                1, min(cfg.cpu_kv_cache_bytes // per_block, cfg.max_num_seqs * blocks_per_seq)
-            )
-        return self._profile_cuda_num_blocks(per_block)
-
-    @torch.inference_mode()
-    def _profile_cuda_num_blocks(self, per_block: int) -> int:
-        """Run one forward at the full token budget with a scratch cache, measure peak memory, and
-        give the KV cache what remains of gpu_memory_utilization * total memory."""
-        cfg = self.config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = cfg.max_num_batched_tokens
-        seq_len = min(num_tokens, cfg.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + (
-            [num_tokens % seq_len] if num_tokens % seq_len else []
-        )
-        scratch_blocks = sum(-(-n // self.block_size) for n in lens)
-        caches = self.spec.allocate(scratch_blocks, self.device)
-        meta, positions = _profile_metadata(lens, self.block_size, self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        keep = torch.arange(max(0, num_tokens - cfg.max_num_seqs), num_tokens, device=self.device)
-        with torch.inference_mode(), forward_context(ForwardContext(meta, caches, self.backend)):
-            logits = self._forward(ids, positions, keep)
-            logits.float().softmax(-1)  # the sampler's working set
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, logits
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        kv_bytes = int(total * cfg.gpu_memory_utilization) - peak - non_torch
-        num_blocks = kv_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no memory for the KV "
-                f"cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise it or "
-                "lower max_num_batched_tokens"
-            )
-        return int(num_blocks)
-
-    @torch.inference_mode()
-    def _warm_up_kernels(self) -> None:
-        """Run the attention-kernel variants a run can meet (mixed prefill + decode, decode with
-        and without the flash-decoding split, short and long contexts) once now. Triton compiles
-        a variant on first use, ~1 s each for the paged kernel on the H200: without this, the
-        first mixed steps of a run pay for it. Nothing is written (slots -1); logits are unused."""
-        bs = self.block_size
-        long = min(self.config.max_model_len, 4096)
-        shapes = (
-            ([64, 1], [64, 8]),  # mixed: a prefill tile and a decode tile, short context
-            ([64, 1, 1], [long, long, 9]),  # mixed, long context
-            ([1], [8]),  # decode, no split
-            ([1], [long]),  # decode, split KV
-            ([1, 1], [long, 9]),
-        )
-        for q_lens, seq_lens in shapes:
-            width = -(-max(seq_lens) // bs)
-            table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=self.device)
-            meta = AttentionMetadata.from_lengths(q_lens, seq_lens, table)
-            pos = torch.cat(
-                [torch.arange(s - q, s, device=self.device) for q, s in zip(q_lens, seq_lens)]
-            )
-            ids = torch.zeros_like(pos)
-            keep = torch.tensor(np.cumsum(q_lens) - 1, device=self.device)
-            with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
-                self._forward(ids, pos, keep)
-        torch.cuda.synchronize(self.device)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -473,55 +365,3 @@ class ModelRunner:
         overwrite step n's tokens before the host has read them."""
         self._host_flip ^= 1
         return self._host_tokens[self._host_flip][:n]
-
-
-class PendingOutput:
-    """A launched step's sampled tokens on their way to the host (asynchronous scheduling)."""
-
-    def __init__(self, runner: ModelRunner, num_seqs, sample_rows, rows, positions, tokens_t):
-        self.runner = runner
-        self.num_seqs = num_seqs
-        self.sample_rows = sample_rows  # indices into the step's requests
-        self.rows = rows  # their InputBatch rows, and the epochs of those rows now
-        self.epochs = runner.input_batch.epoch[rows]
-        self.positions = positions  # where each sampled token goes in its row
-        self.event = None
-        self.host = None
-        if tokens_t is not None:
-            self.host = runner._host_buffer(len(sample_rows))
-            self.host.copy_(tokens_t, non_blocking=True)
-            if runner.device.type == "cuda":
-                self.event = torch.cuda.Event()
-                self.event.record()
-
-    def result(self) -> ModelRunnerOutput:
-        sampled = [-1] * self.num_seqs
-        if self.host is None:
-            return ModelRunnerOutput(sampled_token_ids=sampled)
-        if self.event is not None:
-            self.event.synchronize()
-        tokens = self.host.numpy().copy()
-        for i, t in zip(self.sample_rows, tokens.tolist()):
-            sampled[i] = t
-        # still running (row not released or reused): the token is its row's next input
-        ib = self.runner.input_batch
-        live = ib.epoch[self.rows] == self.epochs
-        ib.token_ids[self.rows[live], self.positions[live]] = tokens[live]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
-    max_blocks = max(-(-n // block_size) for n in lens)
-    block_table = np.zeros((len(lens), max_blocks), dtype=np.int64)
-    positions, slots, next_block = [], [], 0
-    for i, n in enumerate(lens):
-        nb = -(-n // block_size)
-        block_table[i, :nb] = np.arange(next_block, next_block + nb)
-        next_block += nb
-        pos = np.arange(n)
-        positions.append(pos)
-        slots.append(block_table[i, pos // block_size] * block_size + pos % block_size)
-    table = torch.from_numpy(block_table.astype(np.int32)).to(device)
-    meta = AttentionMetadata.from_lengths(lens, lens, table)
-    meta.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)  # write, as steps do
-    return meta, torch.from_numpy(np.concatenate(positions)).to(device)

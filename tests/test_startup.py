@@ -1,0 +1,54 @@
+"""The runner's start-up paths that normally run only on CUDA (hf_paged/startup.py), driven on the
+CPU with torch.cuda's memory queries stubbed: KV-cache sizing from a profiling forward, and the
+attention-kernel warm-up (Triton interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import Engine
+from hf_paged.startup import _profile_cuda_num_blocks, warm_up_kernels
+
+MiB = 2**20
+
+
+@pytest.fixture
+def fake_cuda_memory(monkeypatch):
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 100 * MiB)  # peak
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (900 * MiB, 1000 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 60 * MiB)
+
+
+def test_kv_cache_sized_from_profiling_forward(tiny_model, fake_cuda_memory):
+    engine = Engine(tiny_model("llama"), max_num_batched_tokens=300, gpu_memory_utilization=0.5)
+    per_block = engine.runner.spec.bytes_per_block
+    blocks = _profile_cuda_num_blocks(engine.runner, per_block)
+    # 50% of 1000 MiB, less the forward's peak (100) and non-torch memory (100 - 60 = 40)
+    assert blocks == (500 * MiB - 100 * MiB - 40 * MiB) // per_block
+    engine.config.gpu_memory_utilization = 0.1
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        _profile_cuda_num_blocks(engine.runner, per_block)
+
+
+def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="triton")
+    seen = []
+    real = engine.runner.backend.paged_attention
+    monkeypatch.setattr(
+        engine.runner.backend,
+        "paged_attention",
+        lambda q, kc, vc, meta, *a: (
+            seen.append((meta.max_query_len, meta.max_seq_len)) or real(q, kc, vc, meta, *a)
+        ),
+    )
+    before = [c.clone() for pair in engine.runner.kv_caches for c in pair]
+    warm_up_kernels(engine.runner)
+    # prefill tiles and decode tiles; short contexts and the longest the engine allows (split-KV)
+    assert {q for q, _ in seen} == {1, 64}
+    assert min(s for _, s in seen) < 16 and max(s for _, s in seen) == engine.config.max_model_len
+    after = [c for pair in engine.runner.kv_caches for c in pair]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))  # slots -1: nothing written
