@@ -264,12 +264,14 @@ class ModelRunner:
 
     def _device_input_ids(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
-        ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
         if step.pending is None:
-            return ids
+            return torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
         # tokens the previous step sampled are only on the device: read them from last_tokens
-        pending = torch.from_numpy(step.pending).to(dev, non_blocking=True)
         rows = torch.from_numpy(step.row_of_token).to(dev, non_blocking=True)
+        if step.pending.all():  # the usual decode step: every input is the last sampled token
+            return self.last_tokens[rows]
+        ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+        pending = torch.from_numpy(step.pending).to(dev, non_blocking=True)
         return torch.where(pending, self.last_tokens[rows], ids)
 
     @torch.inference_mode()
