@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.host_to_device import pinned
 
 
 def graph_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
@@ -92,14 +93,12 @@ class CudaGraphRunner:
         if input_ids is not None:
             self.input_ids[:batch].copy_(input_ids)
         else:
-            self.input_ids[:batch].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
-        self.positions[:batch].copy_(torch.from_numpy(step.positions), non_blocking=True)
-        self.slot_mapping[:batch].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
-        self.seq_lens[:batch].copy_(
-            torch.from_numpy(step.seq_lens.astype(np.int32)), non_blocking=True
-        )
-        table = torch.from_numpy(self.runner.input_batch.block_table[step.rows, : step.max_blocks])
-        self.block_table[:batch, : step.max_blocks].copy_(table.to(dev, non_blocking=True))
+            self.input_ids[:batch].copy_(pinned(step.input_ids, dev), non_blocking=True)
+        self.positions[:batch].copy_(pinned(step.positions, dev), non_blocking=True)
+        self.slot_mapping[:batch].copy_(pinned(step.slot_mapping, dev), non_blocking=True)
+        self.seq_lens[:batch].copy_(pinned(step.seq_lens.astype(np.int32), dev), non_blocking=True)
+        table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
+        self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)
             self.seq_lens[batch:padded].fill_(1)

@@ -21,6 +21,7 @@ from hf_paged.attention import make_backend
 from hf_paged.compilation import compile_model
 from hf_paged.config import EngineConfig
 from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.host_to_device import to_device
 from hf_paged.input_batch import InputBatch
 from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.request import Request
@@ -243,12 +244,12 @@ class ModelRunner:
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
         dev = self.device
         # numpy fancy indexing: ~20 us here, where indexing the torch tensor took ~8 ms on CPU
-        table = torch.from_numpy(self.input_batch.block_table[step.rows, : step.max_blocks])
+        table = self.input_batch.block_table[step.rows, : step.max_blocks]
         return AttentionMetadata(
-            query_start_loc=torch.from_numpy(step.qsl.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            block_table=table.to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=to_device(step.qsl.astype(np.int32), dev),
+            seq_lens=to_device(step.seq_lens.astype(np.int32), dev),
+            block_table=to_device(table, dev),
+            slot_mapping=to_device(step.slot_mapping, dev),
             max_query_len=int(step.num_sched.max()),
             max_seq_len=int(step.seq_lens.max()),
             # host copies: the torch backend loops over them; the Triton wrapper uses them to skip
@@ -265,13 +266,13 @@ class ModelRunner:
     def _device_input_ids(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
         if step.pending is None:
-            return torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+            return to_device(step.input_ids, dev)
         # tokens the previous step sampled are only on the device: read them from last_tokens
-        rows = torch.from_numpy(step.row_of_token).to(dev, non_blocking=True)
+        rows = to_device(step.row_of_token, dev)
         if step.pending.all():  # the usual decode step: every input is the last sampled token
             return self.last_tokens[rows]
-        ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
-        pending = torch.from_numpy(step.pending).to(dev, non_blocking=True)
+        ids = to_device(step.input_ids, dev)
+        pending = to_device(step.pending, dev)
         return torch.where(pending, self.last_tokens[rows], ids)
 
     @torch.inference_mode()
@@ -323,8 +324,8 @@ class ModelRunner:
         else:
             meta = self._metadata(step)
             ids_t = self._device_input_ids(step)
-            pos_t = torch.from_numpy(step.positions).to(dev, non_blocking=True)
-            keep_t = torch.tensor(keep, dtype=torch.long).to(dev, non_blocking=True)
+            pos_t = to_device(step.positions, dev)
+            keep_t = to_device(np.asarray(keep, dtype=np.int64), dev)
             with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
                 logits = self._forward(ids_t, pos_t, keep_t)
 
@@ -346,7 +347,7 @@ class ModelRunner:
                 rows_logits = logits
             tokens_t = self.sampler(rows_logits, [requests[i] for i in sample_rows])
             if self.config.async_scheduling:  # the next step may read them before the host does
-                rows_t = torch.from_numpy(step.rows[idx]).to(dev, non_blocking=True)
+                rows_t = to_device(step.rows[idx], dev)
                 self.last_tokens.index_copy_(0, rows_t, tokens_t[: len(sample_rows)])
         if async_output:
             return PendingOutput(

@@ -1,0 +1,27 @@
+"""Step inputs from host arrays to the device without making the host wait for the GPU.
+
+A copy from pageable host memory makes the CPU wait until the work already queued on the stream
+has finished, which would undo asynchronous scheduling (the host preparing step n+1 while the GPU
+runs step n). Each array is first copied into pinned memory from torch's caching host allocator,
+then sent with non_blocking=True; the allocator does not reuse that pinned block until the copy's
+stream event has completed, so no double buffering is needed here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host tensor holding `array`, pinned when `device` is CUDA (on CPU: the array itself)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return pinned(array, device).to(device, non_blocking=True)
