@@ -25,3 +25,12 @@ def pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return pinned(array, device).to(device, non_blocking=True)
+
+
+def device_tensor(values, device: torch.device) -> torch.Tensor:
+    """torch.tensor(values, device=device) through pinned memory (floats as float32, like
+    torch.tensor of Python floats)."""
+    array = np.asarray(values)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    return to_device(array, device)

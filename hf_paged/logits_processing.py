@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
+from hf_paged.host_to_device import device_tensor
 from hf_paged.request import Request
 from hf_paged.sampling_params import (
     F_BAN,
@@ -82,10 +83,11 @@ def apply_typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
 def _subset(scores: torch.Tensor, rows: list[int], fn, *values: list) -> torch.Tensor:
     """Apply fn(sub_scores, *param_tensors) to the listed rows only (all rows: no gather)."""
     dev = scores.device
-    tensors = [torch.tensor(v, device=dev) for v in values]
+    # through pinned memory: a pageable copy would make the host wait for the GPU (async steps)
+    tensors = [device_tensor(v, dev) for v in values]
     if len(rows) == scores.shape[0]:
         return fn(scores, *tensors)
-    idx = torch.tensor(rows, device=dev)
+    idx = device_tensor(rows, dev)
     return scores.index_copy(0, idx, fn(scores.index_select(0, idx), *tensors))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.host_to_device import device_tensor
 from hf_paged.logits_processing import (  # noqa: F401  (apply_top_* re-exported for callers)
     LogitsProcessor,
     apply_min_p,
@@ -107,7 +108,7 @@ class Sampler:
     def _draw(scores: torch.Tensor, requests: list[Request], rows: list[int], tokens: torch.Tensor):
         dev = scores.device
         all_rows = len(rows) == scores.shape[0]
-        idx = None if all_rows else torch.tensor(rows, device=dev)
+        idx = None if all_rows else device_tensor(rows, dev)
         probs = (scores if all_rows else scores.index_select(0, idx)).softmax(dim=-1)
         noise = torch.empty_like(probs)
         noise.exponential_()  # unseeded rows: the global generator
