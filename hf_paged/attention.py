@@ -134,20 +134,21 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else 0.0
-    # The layer index as a CPU tensor buffer where the engine registered one: compiled, a Python
-    # int would be a constant guarded per layer, so compiled decoder layers would compile once
-    # per layer instead of sharing one graph (hf_paged/compilation.py).
-    layer = module._buffers.get(LAYER_BUFFER) if hasattr(module, "_buffers") else None
-    if layer is None:
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is None:
-            raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
-        layer = torch.tensor(layer_idx) if torch.compiler.is_compiling() else layer_idx
-    if torch.compiler.is_compiling():
+    # compile_scope="layers" registers the layer index as a CPU tensor buffer: as a Python int it
+    # would be a constant guarded per layer, and compiled decoder layers would compile once per
+    # layer instead of sharing one graph (hf_paged/compilation.py).
+    layer_t = module._buffers.get(LAYER_BUFFER) if hasattr(module, "_buffers") else None
+    layer_idx = getattr(module, "layer_idx", None) if layer_t is None else None
+    if layer_t is None and layer_idx is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
+    if not torch.compiler.is_compiling():
+        layer = int(layer_t) if layer_t is not None else layer_idx
+        out = _paged_attention(q, k, v, layer, float(scaling), window, cap)
+    elif layer_t is not None:
         # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
-        out = torch.ops.hf_paged.paged_attention(q, k, v, layer, float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention_t(q, k, v, layer_t, float(scaling), window, cap)
     else:
-        out = _paged_attention(q, k, v, int(layer), float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 
@@ -200,18 +201,38 @@ def _paged_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layer: torch.Tensor,
+    layer_idx: int,
     scale: float,
     sliding_window: int,
     softcap: float,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
-    # the per-layer order. `layer` is a CPU scalar: reading it costs no device sync.
-    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap)
+    # the per-layer order.
+    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap)
 
 
 @_paged_attention_op.register_fake
+def _(q, k, v, layer_idx, scale, sliding_window, softcap):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("hf_paged::paged_attention_t", mutates_args=())
+def _paged_attention_t_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """The same, with the layer index as a CPU scalar tensor (per-layer compilation); reading
+    it costs no device sync."""
+    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap)
+
+
+@_paged_attention_t_op.register_fake
 def _(q, k, v, layer, scale, sliding_window, softcap):
     return q.new_empty(q.shape)
 

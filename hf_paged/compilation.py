@@ -43,11 +43,10 @@ def compile_model(model: torch.nn.Module, scope: str) -> tuple[Callable, Callabl
     """Returns (the callable to run the model with, a function that undoes the compilation)."""
     if scope not in SCOPES:
         raise ValueError(f"compile_scope must be one of {SCOPES}, got {scope!r}")
-    register_layer_indices(model)
     if scope == "model":
-        forward = torch.compile(model, dynamic=True, fullgraph=False)
-        return forward, lambda: remove_layer_indices(model)
+        return torch.compile(model, dynamic=True, fullgraph=False), lambda: None
     layers = decoder_layers(model)
+    register_layer_indices(model)
     for layer in layers:
         layer.compile(dynamic=True, fullgraph=False)
 
