@@ -2,12 +2,12 @@
 
     python evals/engine_bench.py compile=0 cuda_graphs=1
 
-TinyLlama-1.1B shape, bf16, random weights; W1 = 256 requests, prompts 64-512 random tokens,
-256 output tokens, EOS ignored. Warm-up on 8 real-length prompts first (Triton JIT, graphs).
-Prints start-up, graph-capture time, output tokens/s and the wall seconds spent in
-schedule / execute / update over the run, then batch-1 decode tokens/s, then a steady-state
-breakdown at 256 and at 1 running decodes: wall per step, GPU busy per step (union of kernel
-intervals from torch.profiler) and kernels launched per step.
+TinyLlama-1.1B shape (or shape=...), bf16, random weights; W1 as evals/workloads.py defines it
+(256 requests, prompts 64-512 random tokens, 256 output tokens, EOS ignored). Warm-up on 8
+real-length prompts first (Triton JIT, graphs). Prints start-up, graph-capture time, output
+tokens/s and the wall seconds spent in schedule / execute / update over the run, then batch-1
+decode tokens/s, then a steady-state breakdown at 256 and at 1 running decodes: wall per step,
+GPU busy per step (union of kernel intervals from torch.profiler) and kernels launched per step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # evals/kernels.py must not shadow the PyPI `kernels` package
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -61,13 +60,14 @@ def main() -> None:
         f"compiled {eng.runner.compiled}",
         flush=True,
     )
-    prompts = w1_prompts(seed=0)
-    warm = w1_prompts(seed=1)[:8]
+    vocab = model.config.vocab_size
+    prompts = w1_prompts(vocab, seed=0)
+    warm = w1_prompts(vocab, seed=1)[:8]
     eng.generate(warm, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     if only != "batch1":
         # the first run shows what start-up left to compile; fresh prompts (no prefix-cache hits)
         w1(eng, prompts, opts, "first")
-        w1(eng, w1_prompts(seed=2), opts, "second")
+        w1(eng, w1_prompts(vocab, seed=2), opts, "second")
     torch.cuda.synchronize()
     t = time.perf_counter()
     one = eng.generate(
@@ -79,9 +79,10 @@ def main() -> None:
         print(breakdown(eng, prompts, batch, kernel_table=table))
 
 
-def w1_prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 32000, int(n)).tolist() for n in rng.integers(64, 513, 256)]
+def w1_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    """W1's prompts, from the harness's own workload definition (evals/workloads.py)."""
+    workloads = importlib.import_module("hf_paged_evals.workloads")
+    return [r.prompt_token_ids for r in workloads.synthetic(vocab_size, seed=seed).requests]
 
 
 def w1(eng, prompts, opts, run: str) -> None:

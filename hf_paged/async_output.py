@@ -27,16 +27,13 @@ class PendingOutput:
                 self.event.record()
 
     def result(self) -> ModelRunnerOutput:
-        sampled = [-1] * self.num_seqs
         if self.host is None:
-            return ModelRunnerOutput(sampled_token_ids=sampled)
+            return ModelRunnerOutput.from_rows(self.num_seqs, [], [])
         if self.event is not None:
             self.event.synchronize()
         tokens = self.host.numpy().copy()
-        for i, t in zip(self.sample_rows, tokens.tolist()):
-            sampled[i] = t
         # still running (row not released or reused): the token is its row's next input
         ib = self.runner.input_batch
         live = ib.epoch[self.rows] == self.epochs
         ib.token_ids[self.rows[live], self.positions[live]] = tokens[live]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return ModelRunnerOutput.from_rows(self.num_seqs, self.sample_rows, tokens.tolist())

@@ -212,11 +212,6 @@ def _paged_attention_op(
     return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap)
 
 
-@_paged_attention_op.register_fake
-def _(q, k, v, layer_idx, scale, sliding_window, softcap):
-    return q.new_empty(q.shape)
-
-
 @torch.library.custom_op("hf_paged::paged_attention_t", mutates_args=())
 def _paged_attention_t_op(
     q: torch.Tensor,
@@ -232,9 +227,12 @@ def _paged_attention_t_op(
     return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap)
 
 
-@_paged_attention_t_op.register_fake
-def _(q, k, v, layer, scale, sliding_window, softcap):
-    return q.new_empty(q.shape)
+def _attention_shape(q, k, v, layer, scale, sliding_window, softcap):
+    return q.new_empty(q.shape)  # for tracing: output is shaped like the queries
+
+
+_paged_attention_op.register_fake(_attention_shape)
+_paged_attention_t_op.register_fake(_attention_shape)
 
 
 LAYER_BUFFER = "hf_paged_layer_idx"

@@ -215,8 +215,7 @@ class Engine:
             return []
         self._before_execute(sched)
         pending = self.runner.execute(sched, self.kv, async_output=True)
-        samples = set(pending.sample_rows)
-        self.scheduler.on_launched(sched, [i in samples for i in range(len(sched.requests))])
+        self.scheduler.on_launched(sched, pending.sample_rows)
         self.num_steps += 1
         if self._inflight is not None:  # the GPU now runs this step while the host reads the last
             outputs = self._resolve_inflight()

@@ -337,7 +337,6 @@ class ModelRunner:
                 r.prompt_logprobs = [None] * r.num_prompt_tokens
             r.prompt_logprobs[first + 1 : first + 1 + count] = values
 
-        sampled = [-1] * num_seqs
         tokens_t = None
         idx = np.asarray(sample_rows, dtype=np.int64)
         if sample_rows:
@@ -348,19 +347,17 @@ class ModelRunner:
             tokens_t = self.sampler(rows_logits, [requests[i] for i in sample_rows])
             if self.config.async_scheduling:  # the next step may read them before the host does
                 rows_t = to_device(step.rows[idx], dev)
-                self.last_tokens.index_copy_(0, rows_t, tokens_t[: len(sample_rows)])
+                self.last_tokens.index_copy_(0, rows_t, tokens_t)
         if async_output:
             return PendingOutput(
                 self, num_seqs, sample_rows, step.rows[idx], seq_lens[idx], tokens_t
             )
-        if tokens_t is not None:
-            tokens = tokens_t.tolist()
-            for i, t in zip(sample_rows, tokens):
-                sampled[i] = t
+        tokens = tokens_t.tolist() if tokens_t is not None else []
+        if tokens:
             # the sampled token is the next input of its request: write it into the request's row
             self.input_batch.token_ids[step.rows[idx], seq_lens[idx]] = tokens
-        return ModelRunnerOutput(
-            sampled_token_ids=sampled, fork_token_ids=self.sampler.take_fork_tokens()
+        return ModelRunnerOutput.from_rows(
+            num_seqs, sample_rows, tokens, self.sampler.take_fork_tokens()
         )
 
     def _host_buffer(self, n: int) -> torch.Tensor:

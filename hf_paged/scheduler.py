@@ -46,6 +46,19 @@ class ModelRunnerOutput:
     # n > 1: parent request id -> first tokens of its pending siblings (same logits row)
     fork_token_ids: dict[str, list[int]] | None = None
 
+    @classmethod
+    def from_rows(
+        cls, num_seqs: int, sample_rows: list[int], tokens: list[int], fork_token_ids=None
+    ) -> ModelRunnerOutput:
+        """tokens[j] was sampled by request sample_rows[j]; the others sampled nothing."""
+        if len(sample_rows) == num_seqs:  # a decode step: every request sampled, in order
+            sampled = list(tokens)
+        else:
+            sampled = [-1] * num_seqs
+            for i, t in zip(sample_rows, tokens):
+                sampled[i] = t
+        return cls(sampled_token_ids=sampled, fork_token_ids=fork_token_ids)
+
 
 class WaitingQueue:
     """FCFS: a deque, preempted requests go back to the front. Priority: a heap on
@@ -256,30 +269,35 @@ class Scheduler:
             self.running.append(sibling)
         return siblings
 
-    def on_launched(self, out: SchedulerOutput, sampled: list[bool]) -> None:
-        """The step is on the GPU: its tokens count as computed, and each request that samples
-        has one more token whose value is pending until update_from_output."""
-        for request, num, samples in zip(out.requests, out.num_scheduled_tokens, sampled):
+    def on_launched(self, out: SchedulerOutput, sample_rows: list[int]) -> None:
+        """Asynchronous scheduling: the step is on the GPU, its tokens count as computed, and
+        each request that samples (indices into out.requests) has one more token whose value is
+        pending until update_from_output(..., launched=True)."""
+        requests = out.requests
+        for request, num in zip(requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num
-            if samples:
-                request.num_pending += 1
+        for i in sample_rows:
+            requests[i].num_pending += 1
 
     def update_from_output(
         self, out: SchedulerOutput, runner_output: ModelRunnerOutput, launched: bool = False
     ) -> tuple[list[Request], list[Request]]:
-        """Append the step's sampled tokens, finish requests that stop (on_launched first, unless
-        the caller already did). Returns (requests that got a token, requests that finished).
+        """Advance progress (unless on_launched already did), append sampled tokens, finish
+        requests that stop. Returns (requests that got a token, requests that finished).
         With asynchronous scheduling, a request may have finished or been preempted since the
         step was launched: a finished one drops its token (computed past its end), a preempted
         one keeps it."""
-        if not launched:
-            self.on_launched(out, [t >= 0 for t in runner_output.sampled_token_ids])
         advanced: list[Request] = []
         finished: list[Request] = []
-        for request, token in zip(out.requests, runner_output.sampled_token_ids):
+        for request, num, token in zip(
+            out.requests, out.num_scheduled_tokens, runner_output.sampled_token_ids
+        ):
+            if not launched:
+                request.num_computed_tokens += num
             if token < 0 or request.status.finished:
                 continue
-            request.num_pending -= 1
+            if launched:
+                request.num_pending -= 1
             request.all_token_ids.append(token)
             advanced.append(request)
             preempted = request.status == RequestStatus.PREEMPTED  # since the launch

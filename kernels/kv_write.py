@@ -100,13 +100,9 @@ def _write_kv_kernel(
     tl.store(vc + offs_d[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
-    if key.dim() != 3:
-        raise ValueError(
-            f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}"
-        )
-    if value.shape != key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+def check_kv_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both kernels' cache layout: [num_blocks, block_size, num_kv_heads, head_dim], K and V
+    alike."""
     if key_cache.dim() != 4:
         raise ValueError(
             "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -117,6 +113,16 @@ def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> No
             f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
             f"{tuple(key_cache.shape)}"
         )
+
+
+def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if key.dim() != 3:
+        raise ValueError(
+            f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    check_kv_cache_pair(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if key_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(

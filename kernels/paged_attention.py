@@ -36,7 +36,7 @@ import triton.language as tl
 
 from hf_paged.forward_context import AttentionMetadata
 
-from .kv_write import check_launchable
+from .kv_write import check_kv_cache_pair, check_launchable
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HEAD_DIMS_MAX = 256
@@ -635,16 +635,7 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
         raise ValueError(
             f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}"
         )
-    if key_cache.dim() != 4:
-        raise ValueError(
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(key_cache.shape)}"
-        )
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
-            f"{tuple(key_cache.shape)}"
-        )
+    check_kv_cache_pair(key_cache, value_cache)
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, kv_head_dim = key_cache.shape
     if kv_head_dim != head_dim:
