@@ -158,6 +158,16 @@ def run_paged(
         pbar.close()
         stats = engine.stats()
         peak, kind = _peak_memory(device)
+        # read before shutdown, which drops the graphs and undoes compile and fusion
+        engine_info = {
+            "compile": engine.runner.compiled,
+            "compile_scope": engine.runner.compile_scope,
+            "cuda_graphs": engine.runner.graphs is not None,
+            "async_scheduling": engine.config.async_scheduling,
+            "fuse_projections": engine.config.fuse_projections,
+            "startup_s": startup_s,
+        }
+
         # the KV cache and any fused projections must not outlive this backend's run: the
         # baselines that follow get the model (and the memory) as loaded
         engine.shutdown()
@@ -174,14 +184,7 @@ def run_paged(
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "num_preemptions": stats.get("num_preemptions", 0) - stats0.get("num_preemptions", 0),
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
-        "engine": {
-            "compile": engine.runner.compiled,
-            "compile_scope": engine.runner.compile_scope,
-            "cuda_graphs": engine.runner.graphs is not None,
-            "async_scheduling": engine.config.async_scheduling,
-            "fuse_projections": engine.config.fuse_projections,
-            "startup_s": startup_s,
-        },
+        "engine": engine_info,
     }
     run = BackendRun("paged", concurrency, [timings[r] for r in order], wall, peak, kind, extra)
     _check_lengths(run, wl)

@@ -112,17 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-scope",
         choices=("model", "layers"),
         default=None,
-        help="paged engine: compile the whole forward or each decoder layer (one shared graph)",
+        help="paged engine: compile each decoder layer (one shared graph; default) or the whole "
+        "forward",
     )
     thr.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="paged engine: launch step n+1 before step n's tokens reach the host",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="paged engine: launch step n+1 before step n's tokens reach the host (default on)",
     )
     thr.add_argument(
         "--fuse-projections",
-        action="store_true",
-        help="paged engine: q/k/v and gate/up projections as one matmul each",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="paged engine: q/k/v and gate/up projections as one matmul each (default on)",
     )
     thr.add_argument("--no-plots", action="store_true")
 
@@ -295,8 +298,8 @@ def cmd_throughput(args) -> int:
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("compile", {"auto": None, "on": True, "off": False}[args.compile]),
             ("compile_scope", args.compile_scope),
-            ("async_scheduling", True if args.async_scheduling else None),
-            ("fuse_projections", True if args.fuse_projections else None),
+            ("async_scheduling", args.async_scheduling),
+            ("fuse_projections", args.fuse_projections),
         )
         if v is not None
     }

@@ -12,8 +12,11 @@ GPU busy per step (union of kernel intervals from torch.profiler) and kernels la
 
 from __future__ import annotations
 
+import cProfile
 import importlib
 import importlib.util
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,8 @@ def main() -> None:
     opts = dict(arg.split("=") for arg in sys.argv[1:])
     shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
     only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
+    workload = opts.pop("workload", None)  # a workload .json: run it, profile a window of steps
+    host_profile = opts.pop("host_profile", "0") == "1"  # cProfile the workload's window too
     table = opts.pop("kernels", "0") == "1"  # kernels=1: per-kernel launches in the breakdown
     if "compile_scope" in opts:  # model | layers (the only string option)
         scope = opts.pop("compile_scope")
@@ -64,19 +69,25 @@ def main() -> None:
     prompts = w1_prompts(vocab, seed=0)
     warm = w1_prompts(vocab, seed=1)[:8]
     eng.generate(warm, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    if workload is not None:
+        only = "batch1"  # batch-1 first (its first run shows first-use compiles), then the workload
     if only != "batch1":
         # the first run shows what start-up left to compile; fresh prompts (no prefix-cache hits)
         w1(eng, prompts, opts, "first")
         w1(eng, w1_prompts(vocab, seed=2), opts, "second")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    one = eng.generate(
-        [prompts[0][:128]], SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
-    )[0]
-    torch.cuda.synchronize()
-    print(f"batch-1 decode: {len(one.output_token_ids) / (time.perf_counter() - t):,.0f} tok/s")
+    for run in ("first", "second"):  # the first pays for any first-use compile a lone prompt meets
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        one = eng.generate(
+            [prompts[0][:128]], SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
+        )[0]
+        torch.cuda.synchronize()
+        rate = len(one.output_token_ids) / (time.perf_counter() - t)
+        print(f"batch-1 decode ({run} run): {rate:,.0f} tok/s")
     for batch in (256, 1) if only != "batch1" else (1,):
         print(breakdown(eng, prompts, batch, kernel_table=table))
+    if workload is not None:
+        print(run_workload(eng, workload, kernel_table=table, host_profile=host_profile))
 
 
 def w1_prompts(vocab_size: int, seed: int) -> list[list[int]]:
@@ -122,6 +133,109 @@ def w1(eng, prompts, opts, run: str) -> None:
         + ", ".join(f"{k} {v:.2f}" for k, v in spent.items())
         + f"; execute calls over 50 ms (s, tokens, seqs): {slow[:12]}"
     )
+
+
+def run_workload(
+    eng, path: str, window: int = 40, kernel_table: bool = False, host_profile: bool = False
+) -> str:
+    """Run a workload .json (evals/workloads.py format) through add_request/step, count
+    decode-only and mixed steps, and profile `window` steps from the middle of the run: GPU busy
+    fraction, the window's step mix and (kernel_table) its kernels by time."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_paged import SamplingParams
+
+    reqs = json.loads(Path(path).read_text())["requests"]
+    for r in reqs:
+        eng.add_request(
+            r["prompt_token_ids"],
+            SamplingParams(max_tokens=r["max_new_tokens"], temperature=0, ignore_eos=True),
+        )
+    kinds = {"decode": [0, 0], "mixed": [0, 0]}  # steps, tokens
+    original = eng.scheduler.schedule
+
+    def counted(*a, **k):
+        out = original(*a, **k)
+        n = out.total_num_scheduled_tokens
+        if n:
+            kind = kinds["decode" if n == len(out) else "mixed"]
+            kind[0] += 1
+            kind[1] += n
+        return out
+
+    eng.scheduler.schedule = counted
+    expected = sum(r["max_new_tokens"] for r in reqs) // 256 + 1  # steps at full concurrency
+    start = max(expected // 2, 1)
+    prof, window_mix, window_wall, busy, steps = None, None, None, 0.0, 0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        if steps == start:
+            torch.cuda.synchronize()
+            window_mix = {k: list(v) for k, v in kinds.items()}
+            cuda = torch.cuda.is_available()
+            prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            prof.start()
+            if host_profile:
+                host = cProfile.Profile()
+                host.enable()
+            tw = time.perf_counter()
+        eng.step()
+        steps += 1
+        if prof is not None and steps == start + window:
+            torch.cuda.synchronize()
+            window_wall = time.perf_counter() - tw
+            if host_profile:
+                host.disable()
+            prof.stop()
+            window_mix = {k: [a - b for a, b in zip(kinds[k], window_mix[k])] for k in kinds}
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    eng.scheduler.schedule = original
+    total_out = sum(r["max_new_tokens"] for r in reqs)
+    text = (
+        f"{path}: {len(reqs)} requests, {total_out} output tokens in {wall:.2f}s = "
+        f"{total_out / wall:,.0f} output tok/s over {steps} steps; decode-only steps "
+        f"{kinds['decode'][0]} ({kinds['decode'][1]} tokens), mixed steps {kinds['mixed'][0]} "
+        f"({kinds['mixed'][1]} tokens)"
+    )
+    if window_wall is not None:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        end = float("-inf")
+        for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        text += (
+            f"\nwindow of {window} steps from step {start}: "
+            f"{window_wall / window * 1e3:.2f} ms/step wall, "
+            f"GPU busy {busy / 1e3 / window:.2f} ms/step "
+            f"({busy / 1e6 / window_wall:.0%}), {len(events) / window:.0f} kernels/step; "
+            f"decode-only {window_mix['decode']}, mixed {window_mix['mixed']} (steps, tokens)"
+        )
+        if kernel_table:
+            text += kernel_rows(events, window)
+        if host_profile:
+            buf = io.StringIO()
+            stats = pstats.Stats(host, stream=buf)
+            stats.sort_stats("cumulative").print_stats(40)
+            stats.sort_stats("tottime").print_stats(25)
+            text += "\nhost profile of the window (cProfile, cumulative, then own time):\n"
+            text += buf.getvalue()
+    return text
+
+
+def kernel_rows(events, steps: int, top: int = 25) -> str:
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    text = "\n  launches/step  us/step  kernel"
+    for name, times in rows:
+        text += f"\n  {len(times) / steps:13.1f} {sum(times) / steps:8.1f}  {name[:90]}"
+    return text
 
 
 def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = False) -> str:
@@ -170,14 +284,8 @@ def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = Fa
         f"{len(kernels) / steps:.0f} kernels/step"
     )
     if kernel_table:
-        by_name: dict[str, list[float]] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
-        text += "\n  launches/step  us/step  kernel"
-        for name, times in rows:
-            text += f"\n  {len(times) / steps:13.1f} {sum(times) / steps:8.1f}  {name[:90]}"
+        cuda_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        text += kernel_rows(cuda_events, steps)
     return text
 
 

@@ -99,6 +99,7 @@ def warm_up_kernels(runner) -> None:
     bs = runner.block_size
     long = min(runner.config.max_model_len, 4096)
     shapes = (
+        ([64], [64]),  # prefill only (no short query: its own variant; a lone first prompt)
         ([64, 1], [64, 8]),  # mixed: a prefill tile and a decode tile, short context
         ([64, 1, 1], [long, long, 9]),  # mixed, long context
         ([1], [8]),  # decode, no split

@@ -13,6 +13,10 @@ small batch, where the k/v projections of a GQA model move only a few MB each.
 Only plain `nn.Linear` groups with one input size, dtype and device are fused: LoRA-wrapped or
 quantised layers (peft, bitsandbytes) are left as they are. `unfuse_projections` puts the
 original layout back (weights become views into the fused matrix: no extra memory).
+
+While fused, `state_dict()` still has the original names (`...q_proj.weight`, not the fused
+matrix) and `load_state_dict` takes them, so saving a patched model (save_pretrained) or loading
+weights into it works as on the original.
 """
 
 from __future__ import annotations
@@ -43,6 +47,17 @@ class FusedProjection(nn.Module):
             )
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] | None = None
+
+    # The fused matrix is not saved under its own name: each ProjectionSlice saves its rows
+    # under the original layer's name. A state dict that does carry the fused name (saved by an
+    # older hf_paged) still loads.
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
+        present = {k: v for k, v in self._parameters.items() if v is not None}
+        if all(prefix + name in state_dict for name in present):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, False, missing, *rest)
 
     def rows(self, index: int) -> slice:
         start = sum(self.sizes[:index])
@@ -84,6 +99,43 @@ class ProjectionSlice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused.part(self.index, x)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        # Copies, not views: safetensors (save_pretrained) refuses tensors sharing one storage.
+        # The copies live only as long as the caller's state dict.
+        for name in ("weight", "bias"):
+            value = getattr(self, name)
+            if value is not None:
+                destination[prefix + name] = value if keep_vars else value.detach().clone()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ) -> None:
+        for name in ("weight", "bias"):
+            target, key = getattr(self, name), prefix + name
+            if target is None:
+                continue
+            if key not in state_dict:
+                if prefix + name not in missing and not _fused_key_present(
+                    self, state_dict, prefix
+                ):
+                    missing.append(key)
+                continue
+            value = state_dict[key]
+            if value.shape != target.shape:
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                    f"the shape in current model is {tuple(target.shape)}."
+                )
+                continue
+            with torch.no_grad():
+                target.copy_(value)  # a view of the fused matrix: writes through
+
+
+def _fused_key_present(part: ProjectionSlice, state_dict, prefix: str) -> bool:
+    """A state dict saved with the fused matrix's own name fills this slice through it."""
+    parent = prefix[: prefix.rstrip(".").rfind(".") + 1]
+    return any(k.startswith(parent + _FUSED_PREFIX) for k in state_dict)
 
 
 def _fusable(layers: list) -> bool:

@@ -34,6 +34,7 @@ def count_async_launches(monkeypatch):
 
 
 def _run(model, prompts, params, **opts):
+    opts.setdefault("async_scheduling", False)  # the reference is the synchronous engine
     eng = Engine(model, attention_backend="torch", **opts)
     outs = eng.generate(prompts, params)
     eng.check_invariants()
@@ -176,3 +177,18 @@ def test_patched_generate_with_async_scheduling_matches_transformers(tiny_model,
 def test_async_scheduling_option_is_validated(tiny_model):
     with pytest.raises(ValueError, match="async_scheduling"):
         Engine(tiny_model("llama"), async_scheduling="yes")
+
+
+def test_defaults_run_ahead_and_step_reports_one_call_late(tiny_model):
+    eng = Engine(tiny_model("llama"), attention_backend="torch")
+    assert eng.config.async_scheduling and eng.config.fuse_projections
+    assert eng.config.compile_scope == "layers"
+    rid = eng.add_request(_prompts([12])[0], SamplingParams(max_tokens=4, temperature=0))
+    assert eng.step() == []  # the prefill is launched; its token is read on the next call
+    got = []
+    while eng.has_unfinished_requests():
+        got += [t for out in eng.step() for t in out.new_token_ids]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    sync, _ = _run(tiny_model("llama"), [_prompts([12])[0]], params)
+    assert got == sync[0][0] and rid
+    eng.check_invariants()

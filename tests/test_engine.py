@@ -87,7 +87,10 @@ def test_prompt_logprobs_match_transformers_forward(tiny_model):
     engine.check_invariants()
 
 
-def test_step_api_streams_and_abort_keeps_others_going(engine):
+def test_step_api_streams_and_abort_keeps_others_going(tiny_model):
+    # synchronous stepping: each step() reports that step's token (asynchronous scheduling, the
+    # default, reports it on the next call: tests/test_async_scheduling.py)
+    engine = Engine(tiny_model("llama"), block_size=16, async_scheduling=False)
     a = engine.add_request(_prompt(10), SamplingParams(max_tokens=20, temperature=0))
     b = engine.add_request(_prompt(12, 2), SamplingParams(max_tokens=20, temperature=0))
     seen = {a: [], b: []}
@@ -101,6 +104,7 @@ def test_step_api_streams_and_abort_keeps_others_going(engine):
             if out.finished:
                 assert out.output_token_ids == seen[b] and out.finish_reason == "length"
     assert len(seen[b]) == 20 and len(seen[a]) == 2
+    engine.check_invariants()
 
 
 def test_engine_accepts_strings_with_a_tokenizer(tiny_model):

@@ -111,7 +111,7 @@ def test_random_schedules_async_scheduling_equals_sync(seed, tiny_model):
         if rnd.random() < 0.2:
             ops.append(("abort", rnd.randrange(100)))
     model = tiny_model("llama")
-    sync = _drive(Engine(model, **opts), ops)
+    sync = _drive(Engine(model, async_scheduling=False, **opts), ops)
     engine = Engine(model, async_scheduling=True, **opts)
     got = _drive(engine, ops)
     both = sync.keys() & got.keys()

@@ -143,3 +143,21 @@ def test_report_merges_separate_invocations_with_ratios(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "workload differs" in err[0]
     assert run.main(["report", str(tmp_path / "nope.json")]) == 2
+
+
+def test_engine_speed_options_default_on_and_can_be_turned_off(tmp_path):
+    common = ["--limit", "2", "--max-new-tokens", "2", "--no-progress", "--no-plots"]
+    seen = {}
+    for name, flags in (
+        ("default", []),
+        ("off", ["--no-async-scheduling", "--no-fuse-projections"]),
+    ):
+        out = tmp_path / name
+        assert (
+            run.main(["throughput", "--backend", "paged", *common, *flags, "--out", str(out)]) == 0
+        )
+        (path,) = out.glob("throughput-*.json")
+        data = json.loads(path.read_text())
+        engine = data["results"][0]["runs"][0]["metrics"]["extra"]["engine"]
+        seen[name] = (engine["async_scheduling"], engine["fuse_projections"])
+    assert seen == {"default": (True, True), "off": (False, False)}

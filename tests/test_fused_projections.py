@@ -112,3 +112,51 @@ def test_compiled_fused_engine_matches_eager(tiny_model):
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
     eng.shutdown()
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_state_dict_keeps_original_names_while_fused(tiny_model):
+    model = tiny_model("qwen2")  # q/k/v biases too
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_projections(model)
+    during = model.state_dict()
+    assert list(during) == list(before)  # same names, same order: save_pretrained sees no change
+    for k, v in before.items():
+        assert torch.equal(during[k], v), k
+    storages = [during[k].untyped_storage().data_ptr() for k in during if "_proj." in k]
+    assert len(set(storages)) == len(storages)  # no shared storage: safetensors can save it
+    unfuse_projections(model)
+
+
+def test_load_state_dict_into_fused_model_writes_the_fused_matrix(tiny_model, batch_factory):
+    source, target = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=2)
+    ids, mask = batch_factory([6, 11])
+    with torch.no_grad():
+        want = source(input_ids=ids, attention_mask=mask).logits
+        fuse_projections(target)
+        result = target.load_state_dict(source.state_dict(), strict=True)
+        got = target(input_ids=ids, attention_mask=mask).logits
+    assert not result.missing_keys and not result.unexpected_keys
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    partial = {k: v for k, v in source.state_dict().items() if "k_proj" not in k}
+    missing = target.load_state_dict(partial, strict=False).missing_keys
+    assert missing and all("k_proj" in k for k in missing)
+    bad = dict(source.state_dict())
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match="q_proj.weight"):
+        target.load_state_dict(bad)
+    unfuse_projections(target)
+
+
+def test_save_pretrained_while_patched_round_trips(tiny_model, tmp_path, batch_factory):
+    model = tiny_model("llama")
+    ids, mask = batch_factory([5, 9])
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    hf_paged.patch(model, fuse_projections=True)
+    try:
+        assert hf_paged.get_engine(model).num_fused_projections > 0
+        model.save_pretrained(tmp_path)
+    finally:
+        hf_paged.unpatch(model)
+    reloaded = type(model).from_pretrained(tmp_path)
+    out = reloaded.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert torch.equal(out, ref)

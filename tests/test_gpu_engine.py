@@ -51,6 +51,8 @@ def _batch(lengths, seed=0):
 
 
 LENGTHS = [1, 17, 64, 100, 257, 500, 33, 1000] * 2
+# every speed option off: the reference the options are compared against
+PLAIN = dict(compile=False, cuda_graphs=False, async_scheduling=False, fuse_projections=False)
 
 
 def _generate(model, ids, mask, new=48, **options):
@@ -67,17 +69,20 @@ def test_triton_backend_matches_transformers_fp32():
     model = _model(torch.float32)
     ids, mask = _batch(LENGTHS)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
-    out = _generate(model, ids, mask, attention_backend="triton", compile=False, cuda_graphs=False)
+    out = _generate(model, ids, mask, attention_backend="triton", **PLAIN)
     assert torch.equal(out, ref)
+    defaults = _generate(model, ids, mask)  # compile (layers), graphs, async, fused projections
+    assert torch.equal(defaults, ref)
 
 
 def test_graph_replay_and_compile_change_no_greedy_output_fp32():
     model = _model(torch.float32)
     ids, mask = _batch(LENGTHS, seed=1)
-    eager = _generate(model, ids, mask, compile=False, cuda_graphs=False)
-    graphs = _generate(model, ids, mask, compile=False, cuda_graphs=True)
-    both = _generate(model, ids, mask, compile=True, cuda_graphs=True)
-    layers = _generate(model, ids, mask, compile=True, compile_scope="layers", cuda_graphs=True)
+    eager = _generate(model, ids, mask, **PLAIN)
+    graphs = _generate(model, ids, mask, **{**PLAIN, "cuda_graphs": True})
+    compiled = {**PLAIN, "compile": True, "cuda_graphs": True}
+    both = _generate(model, ids, mask, **compiled, compile_scope="model")
+    layers = _generate(model, ids, mask, **compiled, compile_scope="layers")
     assert torch.equal(graphs, eager)
     assert torch.equal(both, eager)
     assert torch.equal(layers, eager)
@@ -88,25 +93,26 @@ def test_async_scheduling_changes_no_greedy_output_fp32():
     model = _model(torch.float32)
     ids, mask = _batch(LENGTHS, seed=3)
     # a 512-token budget: prefill chunks share steps with decodes whose input is still pending
-    sync = _generate(model, ids, mask, compile=False, cuda_graphs=False, max_num_batched_tokens=512)
-    for opts in (dict(compile=False, cuda_graphs=True), dict(compile=False, cuda_graphs=False)):
-        out = _generate(model, ids, mask, async_scheduling=True, max_num_batched_tokens=512, **opts)
+    sync = _generate(model, ids, mask, max_num_batched_tokens=512, **PLAIN)
+    for opts in (dict(cuda_graphs=True), dict(cuda_graphs=False)):
+        opts = {**PLAIN, **opts, "async_scheduling": True}
+        out = _generate(model, ids, mask, max_num_batched_tokens=512, **opts)
         assert torch.equal(out, sync), opts
 
 
 def test_fused_projections_change_no_greedy_output_fp32():
     model = _model(torch.float32)
     ids, mask = _batch(LENGTHS, seed=4)
-    plain = _generate(model, ids, mask, compile=False, cuda_graphs=False)
-    for opts in (dict(compile=False, cuda_graphs=True), dict(compile=True, cuda_graphs=True)):
-        out = _generate(model, ids, mask, fuse_projections=True, **opts)
+    plain = _generate(model, ids, mask, **PLAIN)
+    for opts in (dict(cuda_graphs=True), dict(compile=True, cuda_graphs=True)):
+        out = _generate(model, ids, mask, **{**PLAIN, **opts, "fuse_projections": True})
         assert torch.equal(out, plain), opts
 
 
 def test_graphs_used_for_decode_steps():
     model = _model(torch.bfloat16)
     ids, mask = _batch([5, 9, 30], seed=2)
-    hf_paged.patch(model, compile=False, cuda_graphs=True, max_num_seqs=64)
+    hf_paged.patch(model, **{**PLAIN, "cuda_graphs": True}, max_num_seqs=64)
     try:
         engine = hf_paged.get_engine(model)
         assert engine.runner.graphs is not None

@@ -33,6 +33,11 @@ def test_kv_cache_sized_from_profiling_forward(tiny_model, fake_cuda_memory):
         _profile_cuda_num_blocks(engine.runner, per_block)
 
 
+def _shortest_query(meta) -> int:
+    starts = meta.query_start_loc_host
+    return min(b - a for a, b in zip(starts, starts[1:]))
+
+
 def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="triton")
@@ -42,13 +47,17 @@ def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
         engine.runner.backend,
         "paged_attention",
         lambda q, kc, vc, meta, *a: (
-            seen.append((meta.max_query_len, meta.max_seq_len)) or real(q, kc, vc, meta, *a)
+            seen.append((meta.max_query_len, meta.max_seq_len, _shortest_query(meta)))
+            or real(q, kc, vc, meta, *a)
         ),
     )
     before = [c.clone() for pair in engine.runner.kv_caches for c in pair]
     warm_up_kernels(engine.runner)
     # prefill tiles and decode tiles; short contexts and the longest the engine allows (split-KV)
-    assert {q for q, _ in seen} == {1, 64}
-    assert min(s for _, s in seen) < 16 and max(s for _, s in seen) == engine.config.max_model_len
+    assert {q for q, _, _ in seen} == {1, 64}
+    assert min(s for _, s, _ in seen) < 16
+    assert max(s for _, s, _ in seen) == engine.config.max_model_len
+    # prefill-only batches (no decode-sized query: the kernel skips its short-query filter) too
+    assert any(shortest == 64 for _, _, shortest in seen)
     after = [c for pair in engine.runner.kv_caches for c in pair]
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # slots -1: nothing written
