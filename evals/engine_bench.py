@@ -8,6 +8,14 @@ real-length prompts first (Triton JIT, graphs). Prints start-up, graph-capture t
 tokens/s and the wall seconds spent in schedule / execute / update over the run, then batch-1
 decode tokens/s, then a steady-state breakdown at 256 and at 1 running decodes: wall per step,
 GPU busy per step (union of kernel intervals from torch.profiler) and kernels launched per step.
+
+    python evals/engine_bench.py shape=llama-3-8b workload=evals/results/sharegpt-1000.json \
+        kernels=1 host_profile=torch
+
+workload=FILE runs batch-1 (twice: the first run shows first-use compiles) and then the workload
+file through add_request/step, counting decode-only and mixed steps, with a 40-step profile window
+from the middle of the run (GPU busy, step() wall by kind of step; kernels=1 its kernel table;
+host_profile=torch|cprofile where the host time goes).
 """
 
 from __future__ import annotations
@@ -34,7 +42,12 @@ def main() -> None:
     shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
     only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
     workload = opts.pop("workload", None)  # a workload .json: run it, profile a window of steps
-    host_profile = opts.pop("host_profile", "0") == "1"  # cProfile the workload's window too
+    # host time in the workload's window: 1 / cprofile (Python frames), torch (torch.profiler CPU
+    # ops next to the CUDA kernels: self CPU time per op, which cProfile's wrappers distort)
+    raw = opts.pop("host_profile", "0")
+    host_profile = {"0": None, "1": "cprofile"}.get(raw, raw)
+    if host_profile not in (None, "cprofile", "torch"):
+        raise SystemExit(f"host_profile must be 0, 1, cprofile or torch, got {raw!r}")
     table = opts.pop("kernels", "0") == "1"  # kernels=1: per-kernel launches in the breakdown
     if "compile_scope" in opts:  # model | layers (the only string option)
         scope = opts.pop("compile_scope")
@@ -136,7 +149,7 @@ def w1(eng, prompts, opts, run: str) -> None:
 
 
 def run_workload(
-    eng, path: str, window: int = 40, kernel_table: bool = False, host_profile: bool = False
+    eng, path: str, window: int = 40, kernel_table: bool = False, host_profile: str | None = None
 ) -> str:
     """Run a workload .json (evals/workloads.py format) through add_request/step, count
     decode-only and mixed steps, and profile `window` steps from the middle of the run: GPU busy
@@ -176,18 +189,27 @@ def run_workload(
             torch.cuda.synchronize()
             window_mix = {k: list(v) for k, v in kinds.items()}
             cuda = torch.cuda.is_available()
-            prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+            if host_profile == "torch" and cuda:
+                activities.append(ProfilerActivity.CPU)
+            prof = profile(activities=activities)
             prof.start()
-            if host_profile:
+            step_walls = {"decode": [], "mixed": []}
+            if host_profile == "cprofile":
                 host = cProfile.Profile()
                 host.enable()
             tw = time.perf_counter()
+        before = kinds["mixed"][0]
+        t_step = time.perf_counter()
         eng.step()
+        if prof is not None and window_wall is None:  # this call scheduled (and launched) one step
+            kind = "mixed" if kinds["mixed"][0] > before else "decode"
+            step_walls[kind].append(time.perf_counter() - t_step)
         steps += 1
         if prof is not None and steps == start + window:
             torch.cuda.synchronize()
             window_wall = time.perf_counter() - tw
-            if host_profile:
+            if host_profile == "cprofile":
                 host.disable()
             prof.stop()
             window_mix = {k: [a - b for a, b in zip(kinds[k], window_mix[k])] for k in kinds}
@@ -217,7 +239,13 @@ def run_workload(
         )
         if kernel_table:
             text += kernel_rows(events, window)
-        if host_profile:
+        text += "\nstep() calls in the window, by the kind of step they launched: " + ", ".join(
+            f"{k} {len(v)} x {sum(v) / len(v) * 1e3:.2f} ms" for k, v in step_walls.items() if v
+        )
+        if host_profile == "torch":
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            text += f"\nhost profile of the window (torch.profiler, self CPU time):\n{table}"
+        if host_profile == "cprofile":
             buf = io.StringIO()
             stats = pstats.Stats(host, stream=buf)
             stats.sort_stats("cumulative").print_stats(40)
