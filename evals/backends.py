@@ -105,6 +105,7 @@ def run_paged(
     try:
         import hf_paged
         from hf_paged import SamplingParams
+        from hf_paged.gc_freeze import frozen_heap
     except ImportError as exc:
         raise EvalError(f"backend paged: cannot import hf_paged ({exc})") from exc
     device = _device(model)
@@ -140,19 +141,20 @@ def run_paged(
                 len(req.prompt_token_ids), 0, time.perf_counter() - t0, 0.0, 0.0
             )
 
-        while pending or engine.has_unfinished_requests():
-            if pending and (not sequential or not engine.has_unfinished_requests()):
-                batch = pending[:1] if sequential else pending
-                for req in batch:
-                    submit(req)
-                pending = pending[len(batch) :]
-            for out in engine.step():
-                if out.finished:
-                    t = timings[out.request_id]
-                    t.output_len = len(out.output_token_ids)
-                    t.first_token = out.first_token_time - t0
-                    t.finish = out.finish_time - t0
-                    pbar.update(1)
+        with frozen_heap():  # as Engine.generate: no full collection of the old heap mid-run
+            while pending or engine.has_unfinished_requests():
+                if pending and (not sequential or not engine.has_unfinished_requests()):
+                    batch = pending[:1] if sequential else pending
+                    for req in batch:
+                        submit(req)
+                    pending = pending[len(batch) :]
+                for out in engine.step():
+                    if out.finished:
+                        t = timings[out.request_id]
+                        t.output_len = len(out.output_token_ids)
+                        t.first_token = out.first_token_time - t0
+                        t.finish = out.finish_time - t0
+                        pbar.update(1)
         sync(device)
         wall = time.perf_counter() - t0
         pbar.close()

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from hf_paged.config import EngineConfig
+from hf_paged.gc_freeze import frozen_heap
 from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.model_runner import ModelRunner
 from hf_paged.request import Request, RequestOutput
@@ -266,10 +267,11 @@ class Engine:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion through continuous batching; outputs in input order.
-        A prompt with n > 1 gives n consecutive outputs (index 0..n-1)."""
+        A prompt with n > 1 gives n consecutive outputs (index 0..n-1). The run is inside
+        frozen_heap(): no full garbage collection of the pre-run heap stalls it."""
         final: dict[str, RequestOutput] = {}
         bar = None
-        with self.stream(prompts, params) as stream:
+        with self.stream(prompts, params) as stream, frozen_heap():
             if use_tqdm:
                 from tqdm.auto import tqdm
 
