@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Host copies (lists) for the torch backend, which loops over sequences; kernels ignore them.
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # Fewest new tokens of any sequence, known on the host once per step: the Triton wrapper skips
+    # its decode-shaped launch when no query is short (None: assume some are).
+    min_query_len: int | None = None
 
     @classmethod
     def from_lengths(
@@ -46,7 +49,8 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Metadata for sequences with these new-token and context lengths, on block_table's
         device (profiling runs, tests, benchmarks). slot_mapping is all -1 (no K/V writes) over
-        num_tokens (default sum(q_lens)); host_lists=False leaves the host copies out."""
+        num_tokens (default sum(q_lens)); host_lists=False leaves the host copies (and
+        min_query_len) out."""
         device = block_table.device
         qsl = [0]
         for q_len in q_lens:
@@ -61,6 +65,7 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             query_start_loc_host=qsl if host_lists else None,
             seq_lens_host=list(seq_lens) if host_lists else None,
+            min_query_len=min(q_lens, default=0) if host_lists else None,
         )
 
     @property

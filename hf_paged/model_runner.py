@@ -252,10 +252,11 @@ class ModelRunner:
             slot_mapping=to_device(step.slot_mapping, dev),
             max_query_len=int(step.num_sched.max()),
             max_seq_len=int(step.seq_lens.max()),
-            # host copies: the torch backend loops over them; the Triton wrapper uses them to skip
-            # its decode launch when a batch has no short queries
+            # host copies: the torch backend loops over them; min_query_len lets the Triton
+            # wrapper skip its decode launch when a batch has no short queries
             query_start_loc_host=step.qsl.tolist(),
             seq_lens_host=step.seq_lens.tolist(),
+            min_query_len=int(step.num_sched.min()),
         )
 
     def _forward_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -296,7 +297,7 @@ class ModelRunner:
             sample_idx = np.flatnonzero(seq_lens == step.total_tokens)
             sample_rows = sample_idx.tolist()
             keep = (qsl[sample_idx + 1] - 1).tolist()
-            sample_keep = list(range(len(keep)))
+            sample_keep = []  # read only with logprob spans: here the sampling rows are `keep`
         else:
             sample_rows, sample_keep, keep = [], [], []
             for i, r in enumerate(requests):

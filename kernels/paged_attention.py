@@ -27,7 +27,6 @@ All cache address arithmetic is int64: block_id * block stride passes 2^31 on la
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -717,7 +716,7 @@ def paged_attention(
     which gives each sequence a single q-tile) and meta.max_seq_len >= every seq_len (it sizes
     the flash-decoding split). Batches whose every query fits a decode tile run as one launch
     (plus the split reduce); other batches run prefill-shaped tiles for the long queries and,
-    unless meta.query_start_loc_host shows there are none, a decode-shaped launch for the short
+    unless meta.min_query_len shows there are none, a decode-shaped launch for the short
     ones (a decode token in a 128-row prefill tile would waste 32x the tensor-core work).
     num_kv_splits overrides the flash-decoding split of decode-only batches (a CUDA graph should
     fix it at capture: it sets the grid); config forces one launch with that tile shape.
@@ -775,10 +774,8 @@ def paged_attention(
         return out
 
     pre = prefill_config(group, head_dim, query.dtype)
-    qsl_host = meta.query_start_loc_host
-    has_short = qsl_host is None or any(
-        b - a <= dec.block_q for a, b in itertools.pairwise(qsl_host)
-    )
+    # once per step on the host (AttentionMetadata.min_query_len), not once per layer here
+    has_short = meta.min_query_len is None or meta.min_query_len <= dec.block_q
     _launch(
         query,
         key_cache,

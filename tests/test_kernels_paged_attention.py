@@ -184,6 +184,7 @@ def test_mixed_short_long_boundary(host_lists):
     if host_lists:
         meta.query_start_loc_host = meta.query_start_loc.tolist()
         meta.seq_lens_host = meta.seq_lens.tolist()
+        meta.min_query_len = 0
     out = torch.full_like(query, float("nan"))
     paged_attention(query, key_cache, value_cache, meta, 0.125, out=out)
     ref = paged_attention_ref(query, key_cache, value_cache, meta, 0.125)
@@ -195,6 +196,7 @@ def test_prefill_only_with_host_lists_single_launch():
     query, key_cache, value_cache, meta = make_batch([37, 5], [50, 5], 8, 2, 64, 16)
     meta.query_start_loc_host = meta.query_start_loc.tolist()
     meta.seq_lens_host = meta.seq_lens.tolist()
+    meta.min_query_len = 5
     out = torch.full_like(query, float("nan"))
     paged_attention(query, key_cache, value_cache, meta, 0.125, out=out)
     ref = paged_attention_ref(query, key_cache, value_cache, meta, 0.125)

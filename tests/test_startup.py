@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged import Engine
+from hf_paged import Engine, SamplingParams
 from hf_paged.startup import _profile_cuda_num_blocks, warm_up_kernels
 
 MiB = 2**20
@@ -61,3 +61,21 @@ def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
     assert any(shortest == 64 for _, _, shortest in seen)
     after = [c for pair in engine.runner.kv_caches for c in pair]
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # slots -1: nothing written
+
+
+def test_step_metadata_carries_the_shortest_query(tiny_model, monkeypatch):
+    # computed once per step on the host; the Triton wrapper reads it instead of scanning the
+    # query starts in every layer
+    engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="torch")
+    seen = []
+    real = engine.runner.backend.paged_attention
+    monkeypatch.setattr(
+        engine.runner.backend,
+        "paged_attention",
+        lambda q, kc, vc, meta, *a: (
+            seen.append((meta.min_query_len, _shortest_query(meta))) or real(q, kc, vc, meta, *a)
+        ),
+    )
+    engine.generate([[5] * 7, [6] * 30, [7] * 3], SamplingParams(max_tokens=4, temperature=0))
+    assert seen and all(got == want for got, want in seen)
+    assert {want for _, want in seen} >= {1, 3}
