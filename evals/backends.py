@@ -165,6 +165,9 @@ def run_paged(
             "compile": engine.runner.compiled,
             "compile_scope": engine.runner.compile_scope,
             "cuda_graphs": engine.runner.graphs is not None,
+            "mixed_step_graphs": len(engine.runner.graphs.token_buckets)
+            if engine.runner.graphs is not None
+            else 0,
             "async_scheduling": engine.config.async_scheduling,
             "fuse_projections": engine.config.fuse_projections,
             "startup_s": startup_s,

@@ -73,7 +73,7 @@ def main() -> None:
     print(
         f"startup {time.perf_counter() - t0:.1f}s (kernel warm-up "
         f"{eng.runner.warm_up_seconds:.1f}s, graph capture "
-        f"{eng.runner.graph_capture_seconds:.1f}s), "
+        f"{eng.runner.graph_capture_seconds:.1f}s{_buckets(eng)}), "
         f"{eng.kv.num_blocks} KV blocks, "
         f"compiled {eng.runner.compiled}",
         flush=True,
@@ -148,6 +148,13 @@ def w1(eng, prompts, opts, run: str) -> None:
     )
 
 
+def _buckets(eng) -> str:
+    g = eng.runner.graphs
+    if g is None:
+        return ""
+    return f" for {len(g.buckets)} decode + {len(g.token_buckets)} mixed-step buckets"
+
+
 def run_workload(
     eng, path: str, window: int = 40, kernel_table: bool = False, host_profile: str | None = None
 ) -> str:
@@ -167,6 +174,8 @@ def run_workload(
             SamplingParams(max_tokens=r["max_new_tokens"], temperature=0, ignore_eos=True),
         )
     kinds = {"decode": [0, 0], "mixed": [0, 0]}  # steps, tokens
+    graphs = eng.runner.graphs
+    replays0 = dict(graphs.replays) if graphs is not None else None
     original = eng.scheduler.schedule
 
     def counted(*a, **k):
@@ -223,6 +232,9 @@ def run_workload(
         f"{kinds['decode'][0]} ({kinds['decode'][1]} tokens), mixed steps {kinds['mixed'][0]} "
         f"({kinds['mixed'][1]} tokens)"
     )
+    if graphs is not None:
+        done = {k: graphs.replays[k] - replays0[k] for k in replays0}
+        text += f"; graph replays: decode {done['decode']}, mixed {done['mixed']}"
     if window_wall is not None:
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         end = float("-inf")

@@ -26,6 +26,10 @@ class EngineConfig:
     # CUDA only: capture the whole forward of pure-decode batches per batch-size bucket
     cuda_graphs: bool = True
     max_graph_batch_size: int = 512  # buckets 1, 2, 4, 8, 16, 32, 48, ... up to this
+    # CUDA graphs also for mixed prefill/decode steps of up to this many tokens (buckets 32, 64,
+    # 96, 128, 192, ... 512, 640, ... 1024, 1280, ...; capped by max_num_batched_tokens); larger
+    # steps, and steps that need prompt log-probs, run op by op. 0: mixed steps never use graphs.
+    max_graph_tokens: int = 2048
     # torch.compile (inductor) of the model forward; None: on for CUDA, off on CPU. Measured on
     # the H200 (TinyLlama-1.1B shape, W1, CUDA graphs, engine only): 42k output tokens/s against
     # 31k eager (README, Measured).
@@ -74,6 +78,10 @@ class EngineConfig:
         positive("max_model_len", self.max_model_len)
         positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         positive("max_graph_batch_size", self.max_graph_batch_size)
+        if not isinstance(self.max_graph_tokens, int) or self.max_graph_tokens < 0:
+            raise ValueError(
+                f"max_graph_tokens must be a non-negative integer, got {self.max_graph_tokens!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -314,14 +314,22 @@ class ModelRunner:
             keep.append(num_tokens - 1)  # the forward still writes K/V; its logits are unused
 
         dev = self.device
+        graphs = self.graphs
         if (
-            self.graphs is not None
+            graphs is not None
             and step.decode_only
             and len(sample_rows) == num_seqs
-            and num_seqs <= self.graphs.max_batch_size
+            and num_seqs <= graphs.max_batch_size
         ):
             ids_t = self._device_input_ids(step) if step.pending is not None else None
-            logits = self.graphs.run(step, ids_t)  # every row samples: logits for all, in order
+            logits = graphs.run(step, ids_t)  # every row samples: logits for all, in order
+        elif (
+            graphs is not None
+            and not logprob_spans  # prompt log-probs keep more rows than a graph holds
+            and graphs.token_bucket_for(num_tokens) is not None
+        ):
+            ids_t = self._device_input_ids(step) if step.pending is not None else None
+            logits = graphs.run_mixed(step, np.asarray(keep, dtype=np.int64), ids_t)
         else:
             meta = self._metadata(step)
             ids_t = self._device_input_ids(step)

@@ -128,6 +128,27 @@ def test_graphs_used_for_decode_steps():
         hf_paged.unpatch(model)
 
 
+def test_mixed_step_graphs_change_no_greedy_output_fp32():
+    # a 512-token budget: prompt chunks share steps with decodes, and every such step fits a
+    # token bucket, so it replays a captured mixed-step graph (padded tokens and sequences)
+    model = _model(torch.float32)
+    ids, mask = _batch(LENGTHS, seed=5)
+    budget = dict(max_num_batched_tokens=512)
+    eager = _generate(model, ids, mask, **budget, **PLAIN)
+    for opts in (dict(cuda_graphs=True), dict(compile=True, cuda_graphs=True), {}):
+        opts = {**budget, **PLAIN, **opts} if opts else budget  # {}: every default on
+        hf_paged.patch(model, **opts)
+        try:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48)
+            engine = hf_paged.get_engine(model)
+            engine.check_invariants()
+            replays = dict(engine.runner.graphs.replays)
+        finally:
+            hf_paged.unpatch(model)
+        assert torch.equal(out, eager), opts
+        assert replays["mixed"] > 0 and replays["decode"] > 0, (opts, replays)
+
+
 def test_bf16_agreement_with_transformers_and_torch_backend():
     model = _model(torch.bfloat16)
     ids, mask = _batch(LENGTHS, seed=3)

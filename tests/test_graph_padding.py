@@ -1,0 +1,101 @@
+"""The CUDA-graph runner's static, padded inputs, run without capture (CudaGraphRunner(eager=True))
+on the CPU with the Triton kernels interpreted: decode batches padded to a batch bucket, mixed
+prefill/decode steps padded to a token bucket with empty sequences and unowned tokens. Greedy
+output must equal the engine without graphs. Capture and replay themselves are GPU tests
+(tests/test_gpu_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import Engine, SamplingParams
+from hf_paged.cuda_graphs import CudaGraphRunner, graph_buckets, token_buckets
+
+
+def test_token_buckets():
+    assert token_buckets(0) == []
+    assert token_buckets(40) == [32, 40]
+    assert token_buckets(2048)[:6] == [32, 64, 96, 128, 192, 256]
+    assert {512, 640, 1024, 1280, 2048} <= set(token_buckets(2048))
+    assert token_buckets(2048)[-1] == 2048 and 576 not in token_buckets(2048)
+    assert token_buckets(1000)[-1] == 1000
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(model, prompts, params, graphs: bool, **opts):
+    eng = Engine(model, attention_backend="triton", **opts)
+    if graphs:  # CPU: no capture, but the same padded buffers and bucket choice as on CUDA
+        eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
+        eng.runner.graphs.capture()
+    outs = eng.generate(prompts, params)
+    eng.check_invariants()
+    replays = dict(eng.runner.graphs.replays) if graphs else None
+    eng.shutdown()
+    return [o.output_token_ids for o in outs], replays
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_graph_inputs_change_no_greedy_output(tiny_model, async_scheduling):
+    model = tiny_model("llama")
+    # a 48-token budget with 5 seats: prompt chunks share steps with decodes (mixed steps of
+    # 2..48 tokens, padded to 32 or 48 with empty sequences), then decode batches of 1..5
+    # padded to 1, 2, 4 or 5
+    opts = dict(
+        block_size=8,
+        max_num_batched_tokens=48,
+        max_num_seqs=5,
+        max_graph_tokens=48,
+        async_scheduling=async_scheduling,
+    )
+    prompts = _prompts([1, 40, 23, 7, 45, 3])
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (7, 4, 9, 3)]
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    want, _ = _run(model, prompts, params, graphs=False, **opts)
+    got, replays = _run(model, prompts, params, graphs=True, **opts)
+    assert got == want
+    assert replays["mixed"] > 0 and replays["decode"] > 0
+
+
+def test_mixed_graphs_off_and_oversized_steps_run_eagerly(tiny_model):
+    model = tiny_model("llama")
+    prompts = _prompts([40, 9])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    want, _ = _run(model, prompts, params, graphs=False, block_size=8)
+    # every prefill step is above the 32-token bucket, or mixed graphs are off: op by op
+    for limit in (0, 32):
+        got, replays = _run(
+            model, prompts, params, graphs=True, block_size=8, max_graph_tokens=limit
+        )
+        assert got == want
+        assert replays["mixed"] == 0 and replays["decode"] > 0
+
+
+def test_prompt_logprob_steps_run_eagerly(tiny_model):
+    model = tiny_model("llama")
+    prompts = _prompts([20, 6], seed=2)
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=True)
+    eng = Engine(model, attention_backend="triton", block_size=8, max_graph_tokens=32)
+    eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
+    eng.runner.graphs.capture()
+    out = eng.generate(prompts, params)
+    assert eng.runner.graphs.replays["mixed"] == 0
+    ref = Engine(model, attention_backend="triton", block_size=8).generate(prompts, params)
+    for a, b in zip(out, ref):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs, abs=1e-5)
+    eng.check_invariants()
+
+
+def test_max_graph_tokens_is_validated():
+    from hf_paged.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_graph_tokens"):
+        EngineConfig(max_graph_tokens=-1)
+    with pytest.raises(ValueError, match="max_graph_tokens"):
+        EngineConfig(max_graph_tokens=1.5)
