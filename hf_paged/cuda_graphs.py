@@ -110,7 +110,9 @@ class CudaGraphRunner:
                 seq_lens=self.seq_lens[:seqs],
                 block_table=self.block_table[:seqs],
                 slot_mapping=self.slot_mapping[:size],
-                max_query_len=size,  # above any decode tile: the two-launch path, fixed grids
+                # the wrapper picks its launches from these two alone, so from the bucket: above
+                # the decode tile, the two-launch path (grids from token and sequence counts)
+                max_query_len=size,
                 max_seq_len=self.max_model_len,
                 min_query_len=None,  # so the decode-shaped launch always runs
             )
