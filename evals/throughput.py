@@ -226,9 +226,18 @@ def format_table(result: dict, model_desc: str) -> str:
                 f"- {r['metrics']['backend']} (c={r['metrics']['concurrency']}): torch.compile "
                 f"{'on (' + str(eng.get('compile_scope')) + ')' if eng['compile'] else 'off'}, "
                 "CUDA graphs "
-                f"{'on' if eng['cuda_graphs'] else 'off'}, async scheduling "
+                f"{_graphs_text(eng)}, async scheduling "
                 f"{'on' if eng.get('async_scheduling') else 'off'}, fused projections "
                 f"{'on' if eng.get('fuse_projections') else 'off'}, "
                 f"engine start-up {eng['startup_s']:.1f} s"
             )
     return "\n".join(lines)
+
+
+def _graphs_text(eng: dict) -> str:
+    if not eng["cuda_graphs"]:
+        return "off"
+    mixed = eng.get("mixed_step_graphs")  # absent in results saved before mixed-step graphs
+    if mixed is None:
+        return "on"
+    return f"on (decode and {mixed} mixed-step token buckets)" if mixed else "on (decode only)"

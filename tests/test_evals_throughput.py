@@ -78,5 +78,15 @@ def test_shared_prefix_hits_prefix_cache():
     assert [t.output_len for t in run_.timings] == [2, 2, 2]
     assert run_.extra["prefix_cache_hit_rate"] > 0.5
     assert run_.extra["engine"]["fuse_projections"]
+    assert run_.extra["engine"]["mixed_step_graphs"] == 0  # CPU: no graphs
     # the baselines that follow in the same invocation get the model as loaded
     assert list(loaded.model.state_dict()) == names
+
+
+def test_report_says_which_steps_replay_graphs():
+    throughput = importlib.import_module("hf_paged_evals.throughput")
+    text = throughput._graphs_text
+    assert text({"cuda_graphs": False, "mixed_step_graphs": 0}) == "off"
+    assert text({"cuda_graphs": True, "mixed_step_graphs": 0}) == "on (decode only)"
+    assert "18 mixed-step" in text({"cuda_graphs": True, "mixed_step_graphs": 18})
+    assert text({"cuda_graphs": True}) == "on"  # results saved before mixed-step graphs
