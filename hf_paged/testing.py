@@ -52,3 +52,36 @@ def load_evals():
     spec.loader.exec_module(run)
     run.load_package()
     return run
+
+
+def drive_engine(engine, ops: list) -> dict[str, list[int]]:
+    """Replay an op list (("add", prompt, params, priority), ("step",), ("abort", index)) and
+    run to the end, checking block accounting and the seat limit throughout; tokens of every
+    request not aborted."""
+    tokens: dict[str, list[int]] = {}
+    ids: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            ids.append(engine.add_request(op[1], op[2], priority=op[3]))
+            tokens[ids[-1]] = []
+        elif op[0] == "abort":
+            rid = ids[op[1] % len(ids)]
+            if rid in engine.scheduler.requests:
+                engine.abort(rid)
+                tokens.pop(rid)
+        elif engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in tokens:
+                    tokens[out.request_id] += out.new_token_ids
+        engine.kv.check_invariants()
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        assert steps < 2000, "no progress"
+        assert len(engine.scheduler.running) <= engine.config.max_num_seqs
+        engine.kv.check_invariants()
+    engine.check_invariants()
+    return tokens

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from hf_paged import Engine, SamplingParams
+from hf_paged.testing import drive_engine
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -51,37 +52,6 @@ def test_random_engine_schedules_keep_invariants(seed, tiny_model):
     engine.check_invariants()
 
 
-def _drive(engine: Engine, ops: list) -> dict[str, list[int]]:
-    """Replay an op list (add / step / abort) and run to the end; tokens of every request."""
-    tokens: dict[str, list[int]] = {}
-    ids: list[str] = []
-    for op in ops:
-        if op[0] == "add":
-            ids.append(engine.add_request(op[1], op[2], priority=op[3]))
-            tokens[ids[-1]] = []
-        elif op[0] == "abort":
-            rid = ids[op[1] % len(ids)]
-            if rid in engine.scheduler.requests:
-                engine.abort(rid)
-                tokens.pop(rid)
-        elif engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id in tokens:
-                    tokens[out.request_id] += out.new_token_ids
-        engine.kv.check_invariants()
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id in tokens:
-                tokens[out.request_id] += out.new_token_ids
-        steps += 1
-        assert steps < 2000, "no progress"
-        assert len(engine.scheduler.running) <= engine.config.max_num_seqs
-        engine.kv.check_invariants()
-    engine.check_invariants()
-    return tokens
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_random_schedules_async_scheduling_equals_sync(seed, tiny_model):
     """Same op sequence through a synchronous and an asynchronous engine: requests neither
@@ -111,9 +81,9 @@ def test_random_schedules_async_scheduling_equals_sync(seed, tiny_model):
         if rnd.random() < 0.2:
             ops.append(("abort", rnd.randrange(100)))
     model = tiny_model("llama")
-    sync = _drive(Engine(model, async_scheduling=False, **opts), ops)
+    sync = drive_engine(Engine(model, async_scheduling=False, **opts), ops)
     engine = Engine(model, async_scheduling=True, **opts)
-    got = _drive(engine, ops)
+    got = drive_engine(engine, ops)
     both = sync.keys() & got.keys()
     assert both
     assert {rid: got[rid] for rid in both} == {rid: sync[rid] for rid in both}

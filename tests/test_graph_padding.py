@@ -6,11 +6,14 @@ output must equal the engine without graphs. Capture and replay themselves are G
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
 from hf_paged.cuda_graphs import CudaGraphRunner, graph_buckets, token_buckets
+from hf_paged.testing import drive_engine
 
 
 def test_token_buckets():
@@ -99,3 +102,38 @@ def test_max_graph_tokens_is_validated():
         EngineConfig(max_graph_tokens=-1)
     with pytest.raises(ValueError, match="max_graph_tokens"):
         EngineConfig(max_graph_tokens=1.5)
+
+
+@pytest.mark.parametrize("seed", range(3))  # seed 0 preempts; 0-2 hit the prefix cache
+def test_random_schedules_padded_graph_inputs_equal_plain(seed, tiny_model):
+    """Random adds / steps / aborts under chunked prefill, prefix hits and preemption (small
+    cache), synchronous or not: the padded graph buffers give every request the plain engine's
+    greedy tokens."""
+    rnd = random.Random(200 + seed)
+    opts = dict(
+        max_num_seqs=rnd.choice([3, 5]),
+        block_size=4,
+        num_blocks=rnd.choice([10, 12, 40]),  # 10-12 blocks: preemption
+        max_num_batched_tokens=rnd.choice([16, 40]),
+        max_graph_tokens=40,
+        async_scheduling=rnd.choice([False, True]),
+        attention_backend="triton",
+    )
+    shared = [rnd.randrange(3, 256) for _ in range(9)]  # a common prefix: cache hits
+    ops: list = []
+    for _ in range(rnd.randint(4, 7)):
+        tail = [rnd.randrange(3, 256) for _ in range(rnd.randint(1, 14))]
+        prompt = (shared if rnd.random() < 0.5 else []) + tail
+        params = SamplingParams(max_tokens=rnd.randint(2, 16), temperature=0, ignore_eos=True)
+        ops.append(("add", prompt, params, 0))
+        ops += [("step",)] * rnd.randint(0, 2)
+        if rnd.random() < 0.2:
+            ops.append(("abort", rnd.randrange(100)))
+    model = tiny_model("llama")
+    want = drive_engine(Engine(model, **opts), ops)
+    engine = Engine(model, **opts)
+    engine.runner.graphs = CudaGraphRunner(engine.runner, eager=True)
+    engine.runner.graphs.capture()
+    got = drive_engine(engine, ops)
+    assert got == want
+    assert engine.runner.graphs.replays["mixed"] + engine.runner.graphs.replays["decode"] > 0
