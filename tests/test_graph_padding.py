@@ -104,7 +104,8 @@ def test_max_graph_tokens_is_validated():
         EngineConfig(max_graph_tokens=1.5)
 
 
-@pytest.mark.parametrize("seed", range(3))  # seed 0 preempts; 0-2 hit the prefix cache
+# seed 0: preemption, async, decode batches past the largest decode graph
+@pytest.mark.parametrize("seed", range(3))
 def test_random_schedules_padded_graph_inputs_equal_plain(seed, tiny_model):
     """Random adds / steps / aborts under chunked prefill, prefix hits and preemption (small
     cache), synchronous or not: the padded graph buffers give every request the plain engine's
@@ -116,6 +117,8 @@ def test_random_schedules_padded_graph_inputs_equal_plain(seed, tiny_model):
         num_blocks=rnd.choice([10, 12, 40]),  # 10-12 blocks: preemption
         max_num_batched_tokens=rnd.choice([16, 40]),
         max_graph_tokens=40,
+        # 2: decode batches above the largest decode graph replay a mixed-step graph instead
+        max_graph_batch_size=rnd.choice([2, 512]),
         async_scheduling=rnd.choice([False, True]),
         attention_backend="triton",
     )
