@@ -224,7 +224,7 @@ class Engine:
         return outputs
 
     def _can_run_ahead(self) -> bool:
-        return not self._beam_groups and all(r.async_ok for r in self.scheduler.requests.values())
+        return not self._beam_groups and not self.scheduler.requests.num_sync_only
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         sched, pending = self._inflight
@@ -341,6 +341,8 @@ class Engine:
     def check_invariants(self) -> None:
         """Block accounting is consistent; with no requests left, every block is free."""
         self.kv.check_invariants()
+        live = self.scheduler.requests
+        assert live.num_sync_only == sum(not r.async_ok for r in live.values()), "sync count"
         if not self.scheduler.has_unfinished_requests():
             assert self.kv.get_num_free_blocks() == self.kv.num_blocks, "KV blocks leaked"
             assert not self.kv.req_to_blocks, "finished requests still hold blocks"

@@ -68,6 +68,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.spec = KVCacheSpec(model, config.block_size, kv_dtype)
         self.backend = make_backend(config.attention_backend, self.device)
+        self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         use_compile = bool(config.compile)
@@ -252,10 +253,11 @@ class ModelRunner:
             slot_mapping=to_device(step.slot_mapping, dev),
             max_query_len=int(step.num_sched.max()),
             max_seq_len=int(step.seq_lens.max()),
-            # host copies: the torch backend loops over them; min_query_len lets the Triton
-            # wrapper skip its decode launch when a batch has no short queries
-            query_start_loc_host=step.qsl.tolist(),
-            seq_lens_host=step.seq_lens.tolist(),
+            # host copies for the torch backend, which loops over them (the kernels read the
+            # device tensors); min_query_len lets the Triton wrapper skip its decode launch when
+            # a batch has no short queries
+            query_start_loc_host=step.qsl.tolist() if self._host_lists else None,
+            seq_lens_host=step.seq_lens.tolist() if self._host_lists else None,
             min_query_len=int(step.num_sched.min()),
         )
 
@@ -293,25 +295,26 @@ class ModelRunner:
         logprob_spans: list[
             tuple[Request, int, int, int]
         ] = []  # (req, first pos, count, keep offset)
-        if not step.any_logprobs:
+        if not step.any_logprobs:  # the kept rows are exactly the sampling rows, in order
             sample_idx = np.flatnonzero(seq_lens == step.total_tokens)
             sample_rows = sample_idx.tolist()
-            keep = (qsl[sample_idx + 1] - 1).tolist()
-            sample_keep = []  # read only with logprob spans: here the sampling rows are `keep`
+            keep = qsl[sample_idx + 1] - 1
         else:
-            sample_rows, sample_keep, keep = [], [], []
+            sample_rows, sample_keep, kept = [], [], []
             for i, r in enumerate(requests):
                 start, end = int(starts[i]), int(seq_lens[i])
                 if r.sampling_params.prompt_logprobs and start < r.num_prompt_tokens - 1:
                     last = min(end, r.num_prompt_tokens - 1)  # start..last-1 predict prompt tokens
-                    logprob_spans.append((r, start, last - start, len(keep)))
-                    keep.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
+                    logprob_spans.append((r, start, last - start, len(kept)))
+                    kept.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
                 if end == r.num_tokens:
                     sample_rows.append(i)
-                    sample_keep.append(len(keep))
-                    keep.append(int(qsl[i + 1]) - 1)
-        if not keep:
-            keep.append(num_tokens - 1)  # the forward still writes K/V; its logits are unused
+                    sample_keep.append(len(kept))
+                    kept.append(int(qsl[i + 1]) - 1)
+            sample_idx = np.asarray(sample_rows, dtype=np.int64)
+            keep = np.asarray(kept, dtype=np.int64)
+        if not keep.size:  # the forward still writes K/V; its logits are unused
+            keep = np.array([num_tokens - 1], dtype=np.int64)
 
         dev = self.device
         graphs = self.graphs
@@ -329,12 +332,12 @@ class ModelRunner:
             and graphs.token_bucket_for(num_tokens) is not None
         ):
             ids_t = self._device_input_ids(step) if step.pending is not None else None
-            logits = graphs.run_mixed(step, np.asarray(keep, dtype=np.int64), ids_t)
+            logits = graphs.run_mixed(step, keep, ids_t)
         else:
             meta = self._metadata(step)
             ids_t = self._device_input_ids(step)
             pos_t = to_device(step.positions, dev)
-            keep_t = to_device(np.asarray(keep, dtype=np.int64), dev)
+            keep_t = to_device(keep, dev)
             with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
                 logits = self._forward(ids_t, pos_t, keep_t)
 
@@ -347,7 +350,7 @@ class ModelRunner:
             r.prompt_logprobs[first + 1 : first + 1 + count] = values
 
         tokens_t = None
-        idx = np.asarray(sample_rows, dtype=np.int64)
+        idx = sample_idx
         if sample_rows:
             if logprob_spans:
                 rows_logits = logits[torch.tensor(sample_keep, device=dev)]

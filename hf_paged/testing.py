@@ -73,7 +73,7 @@ def drive_engine(engine, ops: list) -> dict[str, list[int]]:
             for out in engine.step():
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
-        engine.kv.check_invariants()
+        engine.check_invariants()
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -82,6 +82,6 @@ def drive_engine(engine, ops: list) -> dict[str, list[int]]:
         steps += 1
         assert steps < 2000, "no progress"
         assert len(engine.scheduler.running) <= engine.config.max_num_seqs
-        engine.kv.check_invariants()
+        engine.check_invariants()
     engine.check_invariants()
     return tokens

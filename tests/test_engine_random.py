@@ -41,14 +41,14 @@ def test_random_engine_schedules_keep_invariants(seed, tiny_model):
             rid = rnd.choice(added)
             if rid in engine.scheduler.requests:
                 engine.abort(rid)
-        engine.kv.check_invariants()
+        engine.check_invariants()
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
         assert steps < 2000, "no progress"
         assert len(engine.scheduler.running) <= engine.config.max_num_seqs
-        engine.kv.check_invariants()
+        engine.check_invariants()
     engine.check_invariants()
 
 

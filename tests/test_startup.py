@@ -33,6 +33,19 @@ def test_kv_cache_sized_from_profiling_forward(tiny_model, fake_cuda_memory):
         _profile_cuda_num_blocks(engine.runner, per_block)
 
 
+def _record_attention(engine, monkeypatch, what) -> list:
+    """what(meta) of every paged-attention call the engine's backend makes from now on."""
+    seen = []
+    real = engine.runner.backend.paged_attention
+
+    def recording(q, kc, vc, meta, *a):
+        seen.append(what(meta))
+        return real(q, kc, vc, meta, *a)
+
+    monkeypatch.setattr(engine.runner.backend, "paged_attention", recording)
+    return seen
+
+
 def _shortest_query(meta) -> int:
     starts = meta.query_start_loc_host
     return min(b - a for a, b in zip(starts, starts[1:]))
@@ -41,15 +54,8 @@ def _shortest_query(meta) -> int:
 def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="triton")
-    seen = []
-    real = engine.runner.backend.paged_attention
-    monkeypatch.setattr(
-        engine.runner.backend,
-        "paged_attention",
-        lambda q, kc, vc, meta, *a: (
-            seen.append((meta.max_query_len, meta.max_seq_len, _shortest_query(meta)))
-            or real(q, kc, vc, meta, *a)
-        ),
+    seen = _record_attention(
+        engine, monkeypatch, lambda m: (m.max_query_len, m.max_seq_len, _shortest_query(m))
     )
     before = [c.clone() for pair in engine.runner.kv_caches for c in pair]
     warm_up_kernels(engine.runner)
@@ -67,15 +73,7 @@ def test_step_metadata_carries_the_shortest_query(tiny_model, monkeypatch):
     # computed once per step on the host; the Triton wrapper reads it instead of scanning the
     # query starts in every layer
     engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="torch")
-    seen = []
-    real = engine.runner.backend.paged_attention
-    monkeypatch.setattr(
-        engine.runner.backend,
-        "paged_attention",
-        lambda q, kc, vc, meta, *a: (
-            seen.append((meta.min_query_len, _shortest_query(meta))) or real(q, kc, vc, meta, *a)
-        ),
-    )
+    seen = _record_attention(engine, monkeypatch, lambda m: (m.min_query_len, _shortest_query(m)))
     engine.generate([[5] * 7, [6] * 30, [7] * 3], SamplingParams(max_tokens=4, temperature=0))
     assert seen and all(got == want for got, want in seen)
     assert {want for _, want in seen} >= {1, 3}
