@@ -49,6 +49,7 @@ def main() -> None:
     if host_profile not in (None, "cprofile", "torch"):
         raise SystemExit(f"host_profile must be 0, 1, cprofile or torch, got {raw!r}")
     table = opts.pop("kernels", "0") == "1"  # kernels=1: per-kernel launches in the breakdown
+    opts_batches = opts.pop("batches", None)
     if "compile_scope" in opts:  # model | layers (the only string option)
         scope = opts.pop("compile_scope")
     else:
@@ -97,7 +98,9 @@ def main() -> None:
         torch.cuda.synchronize()
         rate = len(one.output_token_ids) / (time.perf_counter() - t)
         print(f"batch-1 decode ({run} run): {rate:,.0f} tok/s")
-    for batch in (256, 1) if only != "batch1" else (1,):
+    # batches=1,4,8: the steady-state breakdown at these decode batch sizes (default 256,1)
+    batches = [int(b) for b in opts_batches.split(",")] if opts_batches else None
+    for batch in batches or ((256, 1) if only != "batch1" else (1,)):
         print(breakdown(eng, prompts, batch, kernel_table=table))
     if workload is not None:
         print(run_workload(eng, workload, kernel_table=table, host_profile=host_profile))

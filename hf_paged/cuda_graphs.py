@@ -65,8 +65,9 @@ class CudaGraphRunner:
         self.max_model_len = cfg.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
         self.max_batch_size = min(cfg.max_num_seqs, cfg.max_graph_batch_size)
-        # A compiled model specialises a batch of 1 (a second whole-model compile): pad it to 2.
-        smallest = 2 if runner.compiled else 1
+        # A compiled model specialises a batch of 1 (a second whole-model compile): pad it to 2,
+        # unless the small-batch forward (no dynamo) runs batch 1.
+        smallest = 2 if runner.compiled and runner.small_batch is None else 1
         self.buckets = graph_buckets(max(self.max_batch_size, smallest), smallest)
         self.token_buckets = token_buckets(min(cfg.max_graph_tokens, cfg.max_num_batched_tokens))
         n = max(self.buckets[-1], self.token_buckets[-1] if self.token_buckets else 0)

@@ -9,6 +9,7 @@ that asked for prompt log-probs, at every prompt position).
 from __future__ import annotations
 
 import inspect
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -79,12 +80,27 @@ class ModelRunner:
             self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self.compiled = use_compile
         self._compile_ok = False
+        self.small_batch = self._small_batch_forward(model, config)
         try:
             self._start(config)
         except Exception:  # e.g. no memory left for the KV cache: the model goes back as it came
             if self._undo_compile is not None:
                 self._undo_compile()
             raise
+
+    def _small_batch_forward(self, model, config: EngineConfig):
+        """The fused forward for steps of <= small_batch_rows tokens, where it applies."""
+        if not config.small_batch_rows or self.backend.name != "triton":
+            return None
+        from hf_paged.small_batch_forward import SmallBatchForward, unsupported_reason
+
+        if unsupported_reason(model) is not None:
+            return None
+        from hf_paged.kernels.fused_gemv import pdl_available
+
+        # HF_PAGED_PDL=0: no programmatic dependent launch (A/B measurements, evals/)
+        pdl = pdl_available(self.device) and os.environ.get("HF_PAGED_PDL", "1") != "0"
+        return SmallBatchForward(model, config.small_batch_rows, pdl)
 
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""
@@ -117,6 +133,8 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
+        if self.small_batch is not None and input_ids.shape[0] <= self.small_batch.max_rows:
+            return self.small_batch(input_ids, positions, keep)  # no dynamo: Triton launches only
         if self.compiled and not self._compile_ok:  # the first compiled forward compiles
             try:
                 out = self._forward_impl(input_ids, positions, keep)

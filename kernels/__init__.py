@@ -8,7 +8,18 @@ at the first launch. For CPU tests set TRITON_INTERPRET=1 before importing (Trit
 the kernels are decorated).
 """
 
+from .fused_gemv import fused_gemv, fused_gemv_ref
 from .kv_write import write_kv, write_kv_ref
 from .paged_attention import paged_attention, paged_attention_ref
+from .rope_kv import rope_write_kv, rope_write_kv_ref
 
-__all__ = ["paged_attention", "paged_attention_ref", "write_kv", "write_kv_ref"]
+__all__ = [
+    "fused_gemv",
+    "fused_gemv_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "rope_write_kv",
+    "rope_write_kv_ref",
+    "write_kv",
+    "write_kv_ref",
+]

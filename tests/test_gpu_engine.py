@@ -149,6 +149,35 @@ def test_mixed_step_graphs_change_no_greedy_output_fp32():
         assert replays["mixed"] > 0 and replays["decode"] > 0, (opts, replays)
 
 
+def test_small_batch_forward_changes_no_greedy_output_fp32(monkeypatch):
+    # steps of <= 8 tokens through hf_paged/small_batch_forward.py (fused GEMVs, RoPE + KV
+    # write, PDL): eager, graphs, graphs + compile, every default, PDL off; batch 6 and batch 1
+    model = _model(torch.float32)
+    for lengths, seed in (([5, 17, 40, 9, 100, 33], 6), ([300], 7)):
+        ids, mask = _batch(lengths, seed=seed)
+        plain = _generate(model, ids, mask, **PLAIN)
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+        assert torch.equal(plain, ref)
+        fused = {**PLAIN, "fuse_projections": True, "small_batch_rows": 8}
+        for opts in (
+            fused,
+            {**fused, "cuda_graphs": True},
+            {**fused, "cuda_graphs": True, "compile": True},
+            {"small_batch_rows": 8},  # every other default
+            {},
+        ):
+            hf_paged.patch(model, **opts)
+            try:
+                assert hf_paged.get_engine(model).runner.small_batch is not None
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48)
+            finally:
+                hf_paged.unpatch(model)
+            assert torch.equal(out, plain), (lengths, opts)
+        monkeypatch.setenv("HF_PAGED_PDL", "0")
+        assert torch.equal(_generate(model, ids, mask), plain)
+        monkeypatch.delenv("HF_PAGED_PDL")
+
+
 def test_bf16_agreement_with_transformers_and_torch_backend():
     model = _model(torch.bfloat16)
     ids, mask = _batch(LENGTHS, seed=3)

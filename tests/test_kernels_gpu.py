@@ -220,3 +220,58 @@ def test_write_kv_large_cache_high_slots():
     assert torch.equal(kc[-4:].reshape(64, HKV, D), key)
     assert torch.equal(vc[-4:].reshape(64, HKV, D), value)
     assert int(torch.count_nonzero(kc[:-4])) == 0
+
+
+# 1.1B and 8B projection shapes (K, N) at batch 1-8, with programmatic dependent launch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_fused_gemv_real_shapes(dtype, rows):
+    from hf_paged.kernels import fused_gemv, fused_gemv_ref
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    for k, n in ((2048, 2560), (2048, 5632), (5632, 2048), (4096, 6144), (2048, 32000)):
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+        x, w, w2 = rnd(rows + 3, k), rnd(n, k, scale=0.02), rnd(n, k, scale=0.02)
+        nw, res = rnd(k).abs() + 0.5, rnd(rows, n)
+        picked = torch.randperm(rows + 3, device="cuda", generator=g)[:rows]
+        for kw in (
+            dict(norm_weight=nw, eps=1e-5),
+            dict(norm_weight=nw, eps=1e-6, up_weight=w2),
+            dict(residual=res),
+            dict(norm_weight=nw, eps=1e-5, rows=picked),
+        ):
+            xx = x if "rows" in kw else x[:rows]
+            want = fused_gemv_ref(xx, w, **kw).float()
+            for pdl in (False, True):
+                got = fused_gemv(xx, w, pdl=pdl, **kw).float()
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=str((k, n, kw)))
+
+
+def test_rope_write_kv_real_shapes():
+    from hf_paged.kernels import rope_write_kv, rope_write_kv_ref
+
+    for dtype, hq, hkv, d in ((torch.bfloat16, 32, 4, 64), (torch.float32, 32, 8, 128)):
+        t = 7
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda").to(dtype)
+        cos, sin = torch.randn(t, d, device="cuda").to(dtype), torch.randn(t, d, device="cuda")
+        sin = sin.to(dtype)
+        caches = [torch.zeros(64, 16, hkv, d, device="cuda", dtype=dtype) for _ in range(4)]
+        slots = torch.tensor([5, -1, 900, 17, 1000, 3, 44], device="cuda")
+        for pdl in (False, True):
+            for c in caches:
+                c.zero_()
+            q = rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, hq, pdl=pdl)
+            q_ref = rope_write_kv_ref(qkv, cos, sin, caches[2], caches[3], slots, hq)
+            # each op rounds as torch rounds, but Triton contracts x * cos + y * sin into an FMA
+            # (float32: last-bit differences), and bf16 conversions may differ in the last bit
+            if dtype == torch.float32:
+                tol = dict(atol=1e-6, rtol=1e-5)
+            else:
+                tol = dict(atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(q, q_ref, **tol)
+            torch.testing.assert_close(caches[0], caches[2], **tol)
+            assert torch.equal(caches[1], caches[3])  # values are copied, not computed

@@ -1,0 +1,177 @@
+"""The model forward for steps of a few tokens (batch-1 to batch-8 decode), from fused kernels.
+
+Why: at batch 1 the H200 reads the TinyLlama-1.1B weights in 0.52 ms, but the transformers
+forward (compiled, fused q/k/v and gate/up, in a CUDA graph) took 1.38 ms: 16 kernels per layer,
+most of them 1-2 us launches around 2-46 MB matrix-vector products that cuBLAS streams at 1.3-3.5
+TB/s. This forward runs each decoder layer as six launches (kernels/fused_gemv.py,
+kernels/rope_kv.py, the paged attention kernels):
+
+    qkv  = RMSNorm(h) @ Wqkv.T (+ b)          fused_gemv  NORM
+    q    = rope(q); cache <- rope(k), v         rope_write_kv
+    a    = paged attention(q)                   paged_attention (split KV + reduce)
+    h    = h + a @ Wo.T                         fused_gemv  RESIDUAL
+    act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
+    h    = h + act @ Wd.T                       fused_gemv  RESIDUAL
+
+and the final norm with the logits rows the step keeps as one more (NORM GATHER). On Hopper the
+GEMVs and the rope/KV launch use programmatic dependent launch (see kernels/fused_gemv.py).
+
+It reads the model's own weights (nothing is copied) and its own rotary module (cos/sin for any
+rope scaling), and computes what the transformers modules compute, rounding as they round; the
+engine uses it only for models whose layers have exactly the structure above (`unsupported_reason`
+says why not otherwise) and only inside engine steps, so the model outside the engine, and every
+larger step, is transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_paged.compilation import decoder_layers
+from hf_paged.forward_context import get_forward_context
+
+# Decoder layers that are pre-norm RMSNorm -> attention (rotate_half RoPE) -> residual ->
+# RMSNorm -> SiLU-gated MLP -> residual, with the embedding unscaled and no logit softcap.
+_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """None if SmallBatchForward can run this model, else why not (fused q/k/v and gate/up
+    projections are required: Engine(fuse_projections=True), the default)."""
+    from hf_paged.integrations.fused_projections import ProjectionSlice
+
+    cfg = model.config.get_text_config()
+    if cfg.model_type not in _ARCHITECTURES:
+        return f"model_type {cfg.model_type!r} is not one of {_ARCHITECTURES}"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} is not 'silu'"
+    try:
+        layers = decoder_layers(model)
+    except ValueError as exc:
+        return str(exc)
+    base = getattr(model, "model", None)
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear) or base is None:
+        return "no lm_head nn.Linear / base model"
+    if model.lm_head.bias is not None or type(model.lm_head) is not nn.Linear:
+        return "lm_head is not a plain bias-free nn.Linear"
+    if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        return "embed_tokens is not an nn.Embedding"
+    if getattr(base, "rotary_emb", None) is None or not _is_rms_norm(getattr(base, "norm", None)):
+        return "no rotary_emb or final RMSNorm"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of 2"
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return "a decoder layer without self_attn / mlp"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(_is_rms_norm(n) for n in norms):
+            return "a decoder layer whose norms are not RMSNorm"
+        parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+        if not all(isinstance(p, ProjectionSlice) for p in parts):
+            return "q/k/v or gate/up not fused (fuse_projections=False, LoRA or quantised layers)"
+        if parts[3].fused.bias is not None:
+            return "gate/up projections with bias"
+        for lin in (attn.o_proj, mlp.down_proj):
+            if type(lin) is not nn.Linear:
+                return f"{type(lin).__name__} o_proj/down_proj (LoRA or quantised)"
+    return None
+
+
+def _is_rms_norm(module) -> bool:
+    return (
+        module is not None
+        and type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and hasattr(module, "variance_epsilon")
+    )
+
+
+class SmallBatchForward:
+    """forward(input_ids [T], positions [T], keep [R]) -> logits [R, vocab] for T <= max_rows,
+    inside an engine step (the forward context holds the KV caches and attention metadata)."""
+
+    def __init__(self, model: nn.Module, max_rows: int, pdl: bool) -> None:
+        from hf_paged import kernels
+
+        self.kernels = kernels
+        cfg = model.config.get_text_config()
+        self.max_rows = max_rows
+        self.pdl = pdl
+        self.base = model.model
+        self.lm_head = model.lm_head
+        self.num_q_heads = cfg.num_attention_heads
+        self.layers = []
+        for layer in decoder_layers(model):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
+            size = gate_up.sizes[0]
+            window = getattr(attn, "sliding_window", None)
+            if window is None and cfg.model_type == "mistral":
+                window = getattr(cfg, "sliding_window", None)
+            self.layers.append(
+                dict(
+                    layer=attn.layer_idx,
+                    in_norm=layer.input_layernorm,
+                    qkv=qkv,
+                    o=attn.o_proj,
+                    scale=float(attn.scaling),
+                    window=int(window) if window else None,
+                    post_norm=layer.post_attention_layernorm,
+                    gate_up=gate_up,
+                    gate_rows=size,
+                    down=mlp.down_proj,
+                )
+            )
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
+        k = self.kernels
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata
+        pdl = self.pdl
+        h = self.base.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.base.rotary_emb(h[None], positions[None])
+        cos, sin = cos[0], sin[0]
+        t = h.shape[0]
+        for spec in self.layers:
+            norm = spec["in_norm"]
+            qkv = k.fused_gemv(
+                h,
+                spec["qkv"].weight,
+                norm_weight=norm.weight,
+                eps=norm.variance_epsilon,
+                bias=spec["qkv"].bias,
+                pdl=pdl,
+            )
+            key_cache, value_cache = ctx.kv_caches[spec["layer"]]
+            q = k.rope_write_kv(
+                qkv, cos, sin, key_cache, value_cache, meta.slot_mapping, self.num_q_heads, pdl=pdl
+            )
+            attn = ctx.backend.paged_attention(
+                q, key_cache, value_cache, meta, spec["scale"], spec["window"], None
+            )
+            h = k.fused_gemv(
+                attn.view(t, -1), spec["o"].weight, bias=spec["o"].bias, residual=h, pdl=pdl
+            )
+            norm, gate_up, rows = spec["post_norm"], spec["gate_up"].weight, spec["gate_rows"]
+            act = k.fused_gemv(
+                h,
+                gate_up[:rows],
+                up_weight=gate_up[rows:],
+                norm_weight=norm.weight,
+                eps=norm.variance_epsilon,
+                pdl=pdl,
+            )
+            h = k.fused_gemv(act, spec["down"].weight, bias=spec["down"].bias, residual=h, pdl=pdl)
+        norm = self.base.norm
+        return k.fused_gemv(
+            h,
+            self.lm_head.weight,
+            norm_weight=norm.weight,
+            eps=norm.variance_epsilon,
+            rows=keep,
+            pdl=pdl,
+        )

@@ -1,0 +1,374 @@
+"""y = x @ weight.T for a handful of rows, with the decoder layer's neighbours fused in.
+
+At batch 1 a decoder layer is four matrix-vector products (q/k/v, o, gate/up, down) and, between
+them, a dozen tiny kernels (RMSNorms, residual adds, SiLU-mul, cuBLAS's split-K reduce), each
+paying a launch and a ramp while HBM idles. Measured on the H200 (TinyLlama-1.1B shape,
+evals/h200): the layer's GEMVs take 35 us on cuBLAS against 21 us of weight reads, and the small
+kernels another ~20 us. This kernel does one GEMV with, optionally:
+
+- NORM: RMSNorm of x first (fp32 sum of squares, then as transformers' LlamaRMSNorm rounds:
+  normalised x to the model dtype, times the norm weight in the model dtype);
+- GATED: SiLU(x @ w.T) * (x @ w2.T), w2 being the up projection's rows (LlamaMLP's act * up);
+- HAS_BIAS, RESIDUAL (y + residual, each rounded to the model dtype as torch would);
+- GATHER: x's rows picked by an index tensor (the logits rows a step keeps);
+- PDL (Hopper): programmatic dependent launch. The kernel lets the next one be scheduled as soon
+  as all its programs run (griddepcontrol.launch_dependents), and waits for the previous kernel's
+  results (griddepcontrol.wait) only when it first reads them, so launch and ramp overlap the
+  previous kernel's tail. evals/pdl_chain_bench.py: a 22-layer chain of these GEMVs streams at
+  73% of the H200's bandwidth with PDL, 68% without, and cuBLAS at 59%.
+
+Each program owns BLOCK_N output columns for every row and walks K in BLOCK_K tiles, keeping an
+fp32 partial product per element and reducing over K once at the end. `fused_gemv_ref` is the
+same computation in torch (the CPU reference the kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .kv_write import check_launchable, interpreting
+
+try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off (pdl_available)
+    gdc_launch_dependents = gdc_wait = None
+
+MAX_ROWS = 8  # more rows than this: tensor-core GEMMs (cuBLAS) are the right tool
+# "whole" (default): the whole-K kernel where the weight tile fits in registers; "loop": the
+# K-loop kernel always (HF_PAGED_GEMV=loop, for A/B measurements in evals/)
+GEMV_KERNEL = os.environ.get("HF_PAGED_GEMV", "whole")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90+ and a compiled (not interpreted) kernel."""
+    return (
+        device.type == "cuda"
+        and gdc_wait is not None
+        and not interpreting()
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm / Qwen2RMSNorm."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    up_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What the kernel computes, as the transformers modules it replaces compute it."""
+    if rows is not None:
+        x = x[rows]
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    if up_weight is not None:
+        y = F.silu(y) * F.linear(x, up_weight)
+    if residual is not None:
+        y = residual + y
+    return y
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fused_gemv_kernel(
+    x_ptr,  # [*, K]
+    rows_ptr,  # [M] int64 (GATHER): x row of output row m
+    nw_ptr,  # [K] (NORM)
+    w_ptr,  # [N, K]
+    w2_ptr,  # [N, K] (GATED)
+    b_ptr,  # [N] (HAS_BIAS)
+    r_ptr,  # [M, N] (RESIDUAL)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_w2n,
+    stride_rm,
+    stride_ym,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    dt = y_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w2_rows = w2_ptr + offs_n.to(tl.int64)[:, None] * stride_w2n
+    if PDL:
+        gdc_wait()  # x, rows and residual come from earlier kernels
+    if GATHER:
+        x_idx = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
+    else:
+        x_idx = offs_m.to(tl.int64)
+    x_rows = x_ptr + x_idx[:, None] * stride_xm
+    if NORM:
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            xs = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            xs = xs.to(tl.float32)
+            sq += xs * xs
+        inv_rms = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)  # [BLOCK_M]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xs = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:
+            g = tl.load(nw_ptr + k, mask=k_mask, other=0.0)
+            normed = (xs.to(tl.float32) * inv_rms[:, None]).to(dt)
+            xs = (g.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dt)
+        xf = xs.to(tl.float32)[:, None, :]
+        acc += xf * w.to(tl.float32)[None, :, :]
+        if GATED:
+            w2 = tl.load(w2_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc2 += xf * w2.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # F.silu(gate) * up, each op rounded to the model dtype as eager torch does
+        gate = y.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        y = act * tl.sum(acc2, axis=2).to(dt).to(tl.float32)
+    if RESIDUAL:
+        res = tl.load(
+            r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :],
+            mask=m_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        y = res.to(tl.float32) + y.to(dt).to(tl.float32)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(dt), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fused_gemv_whole_k_kernel(
+    x_ptr,
+    rows_ptr,
+    nw_ptr,
+    w_ptr,
+    w2_ptr,
+    b_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_w2n,
+    stride_rm,
+    stride_ym,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,  # next power of 2
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The same product, each program holding its whole [BLOCK_N, K] weight tile in registers:
+    the weight loads are issued first, before the wait on the previous kernel (with PDL they
+    stream while it finishes) and before x's norm, then every row reuses the tile."""
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    dt = y_ptr.dtype.element_ty
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, K_PAD)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    tile_mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], tile_mask, 0.0)
+    w = w.to(tl.float32)
+    if GATED:
+        w2 = tl.load(
+            w2_ptr + offs_n.to(tl.int64)[:, None] * stride_w2n + offs_k[None, :], tile_mask, 0.0
+        )
+        w2 = w2.to(tl.float32)
+    if NORM:
+        g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()  # x, rows and residual come from earlier kernels
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            if GATHER:
+                x_row = tl.load(rows_ptr + m)
+            else:
+                x_row = m
+            x = tl.load(x_ptr + x_row * stride_xm + offs_k, mask=k_mask, other=0.0)
+            x = x.to(tl.float32)
+            if NORM:
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+                x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
+            if HAS_BIAS:
+                y += bias
+            if GATED:
+                gate = y.to(dt).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+                y = act * tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
+            if RESIDUAL:
+                res = tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
+                y = res.to(tl.float32) + y.to(dt).to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
+
+
+# Per-thread registers for the whole-K kernel's weight tile(s): at most this many elements.
+_WHOLE_K_ELEMS_PER_THREAD = 64
+_MAX_WARPS = 16
+
+
+def whole_k_config(n: int, k: int, gated: bool) -> dict | None:
+    """BLOCK_N and warps for the whole-K kernel, or None if the tile would not fit."""
+    k_pad = triton.next_power_of_2(k)
+    for block_n in (4, 2, 1):
+        elems = block_n * k_pad * (2 if gated else 1)
+        warps = max(4, elems // (32 * _WHOLE_K_ELEMS_PER_THREAD))
+        if warps <= _MAX_WARPS:
+            return dict(BLOCK_N=block_n, num_warps=warps, WHOLE_K=True)
+    return None
+
+
+def default_config(m: int, gated: bool) -> dict:
+    """Tiles from evals/pdl_chain_bench.py on the H200 (1.1B shape, 1 row: BLOCK_N 4, BLOCK_K
+    512, 4 warps); BLOCK_K shrinks with rows so each thread's fp32 partials stay <= 64."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    block_k = max(64, 512 // block_m // (2 if gated and block_m > 1 else 1))
+    return dict(BLOCK_N=4, BLOCK_K=block_k, num_warps=4)
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {list(shape)} of {dtype}, got {list(t.shape)} {t.dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
+
+
+def fused_gemv(
+    x: torch.Tensor,  # [R, K]
+    weight: torch.Tensor,  # [N, K]
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    up_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    pdl: bool = False,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """fused_gemv_ref(...) by one Triton launch, for at most MAX_ROWS output rows (rows picks
+    them from x, else all of x's rows)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)}: in_features differ")
+    dtype = x.dtype
+    if dtype not in _FLOAT_DTYPES or weight.dtype != dtype:
+        raise ValueError(f"x ({dtype}) and weight ({weight.dtype}) must be one float dtype")
+    n, k = weight.shape
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
+        raise ValueError(f"rows must be a 1-d int64 tensor, got {rows.dtype} {list(rows.shape)}")
+    m = x.shape[0] if rows is None else rows.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"fused_gemv takes at most {MAX_ROWS} rows, got {m}")
+    _check("weight", weight, (n, k), dtype)
+    _check("up_weight", up_weight, (n, k), dtype)
+    _check("norm_weight", norm_weight, (k,), dtype)
+    _check("bias", bias, (n,), dtype)
+    _check("residual", residual, (m, n), dtype)
+    if x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous in its last dimension, strides {x.stride()}")
+    check_launchable(x, "x")
+    y = torch.empty((m, n), dtype=dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    gated = up_weight is not None
+    explicit = config is not None
+    if config is None and GEMV_KERNEL != "loop":
+        config = whole_k_config(n, k, gated)
+    cfg = dict(config or default_config(m, gated))
+    if interpreting() and not explicit:
+        # the CPU interpreter runs programs one after another, each as numpy arrays: few wide
+        # programs instead of many narrow ones (same results; tile shapes only matter on a GPU)
+        cfg["BLOCK_N"] = min(64, triton.next_power_of_2(n))
+    whole_k = cfg.pop("WHOLE_K", False)
+    block_n = cfg.pop("BLOCK_N")
+    if whole_k:
+        cfg["K_PAD"] = triton.next_power_of_2(k)
+        kernel = _fused_gemv_whole_k_kernel
+    else:
+        cfg["BLOCK_K"] = cfg.pop("BLOCK_K")
+        kernel = _fused_gemv_kernel
+    if pdl:
+        cfg["launch_pdl"] = True
+    kernel[(triton.cdiv(n, block_n),)](
+        x,
+        rows if rows is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        weight,
+        up_weight if up_weight is not None else weight,
+        bias if bias is not None else weight,
+        residual if residual is not None else y,
+        y,
+        m,
+        n,
+        float(eps),
+        x.stride(0),
+        weight.stride(0),
+        (up_weight if up_weight is not None else weight).stride(0),
+        (residual if residual is not None else y).stride(0),
+        y.stride(0),
+        K=k,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        NORM=norm_weight is not None,
+        GATED=up_weight is not None,
+        HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        GATHER=rows is not None,
+        PDL=pdl,
+        **cfg,
+    )
+    return y

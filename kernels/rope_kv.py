@@ -1,0 +1,175 @@
+"""Rotary embedding of a step's queries and keys, and the K/V cache write, in one launch.
+
+Between the q/k/v projection and attention, transformers runs apply_rotary_pos_emb (a few
+elementwise kernels on q and k) and our attention op writes K/V into the paged cache (another
+kernel): at batch 1 on the H200 each is a ~1-2 us launch for a few KB. This kernel reads the
+fused projection's output [T, (Hq + 2 Hkv) * D] once: query heads are rotated into a [T, Hq, D]
+output, key heads are rotated and, with the value heads, written to their cache slot (slot -1:
+padding, nothing written).
+
+Rotation as transformers' rotate_half convention computes it, op by op in the model dtype:
+q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1) for the halves q1, q2 of a head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .kv_write import check_kv_cache_pair, check_launchable
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D]: transformers' apply_rotary_pos_emb for one tensor."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_write_kv_ref(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [T]
+    num_q_heads: int,
+) -> torch.Tensor:  # rotated queries [T, Hq, D]
+    from .kv_write import write_kv_ref
+
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    t = qkv.shape[0]
+    q, k, v = qkv.view(t, -1, head_dim).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    write_kv_ref(rotate_ref(k, cos, sin), v, key_cache, value_cache, slot_mapping)
+    return rotate_ref(q, cos, sin)
+
+
+@triton.jit
+def _rotate(base, cos1, cos2, sin1, sin2, offs, HALF: tl.constexpr, dt):
+    x1 = tl.load(base + offs).to(tl.float32)
+    x2 = tl.load(base + HALF + offs).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype
+    o1 = (x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)
+    o2 = (x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
+def _rope_kv_kernel(
+    qkv_ptr,  # [T, (Hq + 2 Hkv) * D]
+    cos_ptr,  # [T, D]
+    sin_ptr,  # [T, D]
+    q_ptr,  # [T, Hq, D] out
+    kc_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
+    vc_ptr,
+    slot_ptr,  # int64 [T]
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # one program = one token x one head (query heads first, then key/value heads)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    dt = q_ptr.dtype.element_ty
+    offs = tl.arange(0, HALF)
+    cos1 = tl.load(cos_ptr + t * stride_cos + offs).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_cos + HALF + offs).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_sin + offs).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_sin + HALF + offs).to(tl.float32)
+    row = qkv_ptr + t * stride_qkv
+    if h < NUM_Q_HEADS:
+        o1, o2 = _rotate(row + h * 2 * HALF, cos1, cos2, sin1, sin2, offs, HALF, dt)
+        out = q_ptr + (t * NUM_Q_HEADS + h) * 2 * HALF
+        tl.store(out + offs, o1)
+        tl.store(out + HALF + offs, o2)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            j = h - NUM_Q_HEADS
+            block_id = slot // PAGE_SIZE
+            block_off = slot % PAGE_SIZE
+            k1, k2 = _rotate(row + h * 2 * HALF, cos1, cos2, sin1, sin2, offs, HALF, dt)
+            kc = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s + j * stride_kc_h
+            cdt = kc_ptr.dtype.element_ty
+            tl.store(kc + offs, k1.to(cdt))
+            tl.store(kc + HALF + offs, k2.to(cdt))
+            v = row + (h + NUM_KV_HEADS) * 2 * HALF
+            vc = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s + j * stride_vc_h
+            tl.store(vc + offs, tl.load(v + offs).to(cdt))
+            tl.store(vc + HALF + offs, tl.load(v + HALF + offs).to(cdt))
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """rope_write_kv_ref by one Triton launch (power-of-2 head_dim, contiguous rows)."""
+    check_kv_cache_pair(key_cache, value_cache)
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    t = qkv.shape[0]
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(
+            f"qkv must be [num_tokens, {width}] with contiguous rows (q, k, v heads of "
+            f"{head_dim}), got {list(qkv.shape)} strides {qkv.stride()}"
+        )
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of 2, got {head_dim}")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.shape != (t, head_dim) or c.stride(1) != 1:
+            raise ValueError(f"{name} must be [{t}, {head_dim}], got {list(c.shape)}")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{t}], got {slot_mapping.dtype}")
+    check_launchable(qkv, "qkv")
+    q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    _rope_kv_kernel[(t, num_q_heads + num_kv_heads)](
+        qkv,
+        cos,
+        sin,
+        q,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        PAGE_SIZE=key_cache.shape[1],
+        PDL=pdl,
+        num_warps=1,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return q

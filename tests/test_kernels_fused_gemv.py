@@ -1,0 +1,132 @@
+"""kernels/fused_gemv.py and kernels/rope_kv.py under the Triton interpreter, against their torch
+references (which compute what transformers' RMSNorm / Linear / SiLU-mul / residual add /
+apply_rotary_pos_emb modules compute), and their refusals of bad inputs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hf_paged.kernels import fused_gemv, fused_gemv_ref, rope_write_kv, rope_write_kv_ref
+
+fg = importlib.import_module("hf_paged.kernels.fused_gemv")
+
+K, N = 96, 40  # K not a power of 2: the whole-K kernel pads and masks, the loop kernel too
+
+
+def _inputs(dtype, rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    return dict(
+        x=rnd(rows + 2, K),
+        w=rnd(N, K, scale=0.1),
+        w2=rnd(N, K, scale=0.1),
+        nw=rnd(K).abs() + 0.5,
+        b=rnd(N),
+        r=rnd(rows, N),
+        rows=torch.randperm(rows + 2, generator=g)[:rows],
+    )
+
+
+OPTIONS = {
+    "plain": lambda t: {},
+    "norm": lambda t: dict(norm_weight=t["nw"], eps=1e-5),
+    "gated": lambda t: dict(up_weight=t["w2"]),
+    "norm_gated": lambda t: dict(norm_weight=t["nw"], eps=1e-6, up_weight=t["w2"]),
+    "bias_residual": lambda t: dict(bias=t["b"], residual=t["r"]),
+    "norm_gather": lambda t: dict(norm_weight=t["nw"], eps=1e-5, rows=t["rows"]),
+}
+
+
+@pytest.mark.parametrize("kernel", ["whole", "loop"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_fused_gemv_matches_reference(monkeypatch, kernel, rows, dtype, option):
+    monkeypatch.setattr(fg, "GEMV_KERNEL", kernel)
+    t = _inputs(dtype, rows)
+    kw = OPTIONS[option](t)
+    x = t["x"] if "rows" in kw else t["x"][:rows]
+    got = fused_gemv(x, t["w"], **kw).float()
+    want = fused_gemv_ref(x, t["w"], **kw).float()
+    # float32: summation order only. bf16: the interpreter truncates float32 -> bf16 where the
+    # GPU rounds (tests/test_kernels_gpu.py checks the GPU at real shapes), ~1-2 bf16 ulps here.
+    tol = 1e-5 if dtype == torch.float32 else 1e-1
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "config",  # the GPU's narrow tiles: many programs, a partial last one (N=40), K tiles
+    [dict(BLOCK_N=4, num_warps=4, WHOLE_K=True), dict(BLOCK_N=8, BLOCK_K=32, num_warps=4)],
+)
+@pytest.mark.parametrize("option", ["norm_gated", "bias_residual", "norm_gather"])
+def test_fused_gemv_gpu_tile_shapes(config, option):
+    t = _inputs(torch.float32, 3)
+    kw = OPTIONS[option](t)
+    x = t["x"] if "rows" in kw else t["x"][:3]
+    got = fused_gemv(x, t["w"], config=dict(config), **kw)
+    torch.testing.assert_close(got, fused_gemv_ref(x, t["w"], **kw), atol=1e-5, rtol=1e-5)
+
+
+def test_whole_k_tile_falls_back_to_loop_kernel_when_too_large():
+    assert fg.whole_k_config(2560, 2048, gated=False)["BLOCK_N"] == 4
+    assert fg.whole_k_config(2048, 14336, gated=False)["num_warps"] <= 16
+    assert fg.whole_k_config(10, 1 << 20, gated=True) is None  # too wide for registers: loop
+
+
+def test_fused_gemv_refuses_bad_inputs():
+    t = _inputs(torch.float32, 2)
+    x, w = t["x"][:2], t["w"]
+    with pytest.raises(ValueError, match="in_features"):
+        fused_gemv(x[:, :50], w)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_gemv(x, w.double())
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        fused_gemv(torch.zeros(9, K), w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_gemv(x, w, norm_weight=t["nw"][:10], eps=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        fused_gemv(x, w, residual=t["r"][:1])
+    with pytest.raises(ValueError, match="up_weight"):
+        fused_gemv(x, w, up_weight=w[:5])
+    with pytest.raises(ValueError, match="rows"):
+        fused_gemv(x, w, rows=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        fused_gemv(torch.zeros(K, 2).t(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    t, hq, hkv, d = 3, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    cos, sin = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+    caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([5, -1, 9])  # the middle token is padding: written nowhere
+    q = rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, hq)
+    q_ref = rope_write_kv_ref(qkv, cos, sin, caches[2], caches[3], slots, hq)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    assert torch.equal(caches[1], caches[3])
+    written = caches[0].flatten(0, 1).abs().sum(dim=(1, 2)) > 0
+    assert written.nonzero().flatten().tolist() == [5, 9]
+
+
+def test_rope_write_kv_refuses_bad_inputs():
+    kc = torch.zeros(4, 4, 2, 16)
+    qkv, cs = torch.zeros(3, 8 * 16), torch.zeros(3, 16)
+    slots = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match="qkv must be"):
+        rope_write_kv(qkv[:, :100], cs, cs, kc, kc.clone(), slots, 4)
+    with pytest.raises(ValueError, match="cos"):
+        rope_write_kv(qkv, cs[:2], cs, kc, kc.clone(), slots, 4)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_write_kv(qkv, cs, cs, kc, kc.clone(), slots.int(), 4)
+    odd = torch.zeros(4, 4, 2, 12)
+    with pytest.raises(ValueError, match="power of 2"):
+        rope_write_kv(torch.zeros(3, 8 * 12), cs[:, :12], cs[:, :12], odd, odd.clone(), slots, 4)

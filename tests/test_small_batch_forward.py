@@ -1,0 +1,109 @@
+"""Engine steps of <= small_batch_rows tokens run hf_paged/small_batch_forward.py (fused Triton
+GEMVs, RoPE + KV write, paged attention; Triton interpreter on CPU). Its greedy tokens and
+log-probs must equal the engine's transformers forward; unsupported models must run as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import Engine, SamplingParams
+
+ENGINE = dict(attention_backend="triton", async_scheduling=False)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _counting(eng):
+    """Count the forwards the small-batch path runs (and the rows it sees)."""
+    fast = eng.runner.small_batch
+    seen = []
+
+    class Counting:
+        max_rows = fast.max_rows
+
+        def __call__(self, ids, pos, keep):
+            seen.append(ids.shape[0])
+            return fast(ids, pos, keep)
+
+    eng.runner.small_batch = Counting()
+    return seen
+
+
+# llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_small_batch_forward_matches_transformers_forward(tiny_model, arch):
+    model = tiny_model(arch)
+    # a 3-token prompt is a small prefill step (causal among its tokens); the rest decode
+    prompts = _prompts([3, 30, 9])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    plain = Engine(model, small_batch_rows=0, **ENGINE)
+    assert plain.runner.small_batch is None
+    want = plain.generate(prompts, params)
+    plain.shutdown()
+    eng = Engine(model, small_batch_rows=8, **ENGINE)  # every row count the kernels take
+    seen = _counting(eng)
+    got = eng.generate(prompts, params)
+    eng.check_invariants()
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    for a, b in zip(got, want):  # log-probs: the logits agree, not only their argmax
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            for tok in da:
+                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    assert 3 in seen and max(seen) <= 8  # the 3-row decodes (and the 3-token prompt) ran fused
+
+
+def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
+    model = tiny_model("llama")
+    prompts = _prompts([5, 6, 7, 8])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    want = [
+        o.output_token_ids
+        for o in Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
+    ]
+    eng = Engine(model, small_batch_rows=2, **ENGINE)
+    seen = _counting(eng)
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
+    assert not seen  # 4-row decodes and 26-token prefills: none fit 2 rows
+    got = [o.output_token_ids for o in eng.generate(prompts[:2], params)]
+    assert got == want[:2] and seen and max(seen) == 2
+
+
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("gpt_neox", {}),  # parallel residual, partial rotary
+        ("qwen3", {}),  # q/k norms
+        ("gemma2", {}),  # scaled embedding, (1 + w) norms, softcaps
+        ("llama", {"fuse_projections": False}),  # needs the fused q/k/v and gate/up weights
+        ("llama", {"attention_backend": "torch"}),  # needs the Triton attention kernels
+    ],
+)
+def test_unsupported_models_run_transformers_forward(tiny_model, arch, options):
+    model = tiny_model(arch)
+    opts = {**ENGINE, **options}
+    eng = Engine(model, **opts)
+    assert eng.runner.small_batch is None
+    prompts, params = _prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0)
+    got = [o.output_token_ids for o in eng.generate(prompts, params)]
+    eng.shutdown()
+    want = Engine(model, small_batch_rows=0, **opts).generate(prompts, params)
+    assert got == [o.output_token_ids for o in want]
+
+
+def test_default_runs_batch_1_and_2_fused(tiny_model):
+    eng = Engine(tiny_model("llama"), **ENGINE)
+    assert eng.runner.small_batch.max_rows == 2
+    seen = _counting(eng)
+    eng.generate(_prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0))
+    assert set(seen) == {2}  # the two decodes; the 13-token prefill ran transformers' forward
+
+
+@pytest.mark.parametrize("bad", [-1, 9, True, 2.0, "4"])
+def test_small_batch_rows_validation(tiny_model, bad):
+    with pytest.raises(ValueError, match="small_batch_rows"):
+        Engine(tiny_model("llama"), small_batch_rows=bad, **ENGINE)
