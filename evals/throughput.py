@@ -229,6 +229,8 @@ def format_table(result: dict, model_desc: str) -> str:
                 f"{_graphs_text(eng)}, async scheduling "
                 f"{'on' if eng.get('async_scheduling') else 'off'}, fused projections "
                 f"{'on' if eng.get('fuse_projections') else 'off'}, "
+                # absent in results saved before the small-batch forward
+                f"small-batch forward {eng.get('small_batch_forward', 'off')}, "
                 f"engine start-up {eng['startup_s']:.1f} s"
             )
     return "\n".join(lines)

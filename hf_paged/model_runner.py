@@ -89,17 +89,26 @@ class ModelRunner:
             raise
 
     def _small_batch_forward(self, model, config: EngineConfig):
-        """The fused forward for steps of <= small_batch_rows tokens, where it applies."""
-        if not config.small_batch_rows or self.backend.name != "triton":
-            return None
+        """The fused forward for steps of <= small_batch_rows tokens, where it applies;
+        small_batch_status says which (reported by evals)."""
         from hf_paged.small_batch_forward import SmallBatchForward, unsupported_reason
 
-        if unsupported_reason(model) is not None:
+        if not config.small_batch_rows:
+            reason = "small_batch_rows=0"
+        elif self.backend.name != "triton":
+            reason = f"attention backend {self.backend.name!r}, not 'triton'"
+        else:
+            reason = unsupported_reason(model)
+        if reason is not None:
+            self.small_batch_status = f"off ({reason})"
             return None
         from hf_paged.kernels.fused_gemv import pdl_available
 
         # HF_PAGED_PDL=0: no programmatic dependent launch (A/B measurements, evals/)
         pdl = pdl_available(self.device) and os.environ.get("HF_PAGED_PDL", "1") != "0"
+        self.small_batch_status = (
+            f"on (steps of <= {config.small_batch_rows} tokens{', PDL' if pdl else ''})"
+        )
         return SmallBatchForward(model, config.small_batch_rows, pdl)
 
     def _start(self, config: EngineConfig) -> None:

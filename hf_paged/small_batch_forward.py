@@ -25,6 +25,8 @@ larger step, is transformers' forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -90,6 +92,23 @@ def _is_rms_norm(module) -> bool:
     )
 
 
+@dataclass(slots=True)
+class _Layer:
+    """One decoder layer's modules, as the kernels take them. Modules, not tensors: weights are
+    read at each call, so weights loaded into the model in place are the ones used."""
+
+    index: int  # its KV cache in the forward context
+    in_norm: nn.Module  # RMSNorm before attention
+    qkv: nn.Module  # FusedProjection: [q | k | v] rows (+ bias for Qwen2)
+    o: nn.Linear
+    scale: float
+    window: int | None  # sliding window, as the transformers attention module passes it
+    post_norm: nn.Module  # RMSNorm before the MLP
+    gate_up: nn.Module  # FusedProjection: [gate | up] rows
+    gate_rows: int
+    down: nn.Linear
+
+
 class SmallBatchForward:
     """forward(input_ids [T], positions [T], keep [R]) -> logits [R, vocab] for T <= max_rows,
     inside an engine step (the forward context holds the KV caches and attention metadata)."""
@@ -107,22 +126,20 @@ class SmallBatchForward:
         self.layers = []
         for layer in decoder_layers(model):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
-            size = gate_up.sizes[0]
             window = getattr(attn, "sliding_window", None)
-            if window is None and cfg.model_type == "mistral":
+            if window is None and cfg.model_type == "mistral":  # passed from the config there
                 window = getattr(cfg, "sliding_window", None)
             self.layers.append(
-                dict(
-                    layer=attn.layer_idx,
+                _Layer(
+                    index=attn.layer_idx,
                     in_norm=layer.input_layernorm,
-                    qkv=qkv,
+                    qkv=attn.q_proj.fused,
                     o=attn.o_proj,
                     scale=float(attn.scaling),
                     window=int(window) if window else None,
                     post_norm=layer.post_attention_layernorm,
-                    gate_up=gate_up,
-                    gate_rows=size,
+                    gate_up=mlp.gate_proj.fused,
+                    gate_rows=mlp.gate_proj.fused.sizes[0],
                     down=mlp.down_proj,
                 )
             )
@@ -136,27 +153,26 @@ class SmallBatchForward:
         cos, sin = self.base.rotary_emb(h[None], positions[None])
         cos, sin = cos[0], sin[0]
         t = h.shape[0]
-        for spec in self.layers:
-            norm = spec["in_norm"]
+        for layer in self.layers:
+            norm = layer.in_norm
             qkv = k.fused_gemv(
                 h,
-                spec["qkv"].weight,
+                layer.qkv.weight,
                 norm_weight=norm.weight,
                 eps=norm.variance_epsilon,
-                bias=spec["qkv"].bias,
+                bias=layer.qkv.bias,
                 pdl=pdl,
             )
-            key_cache, value_cache = ctx.kv_caches[spec["layer"]]
+            key_cache, value_cache = ctx.kv_caches[layer.index]
             q = k.rope_write_kv(
                 qkv, cos, sin, key_cache, value_cache, meta.slot_mapping, self.num_q_heads, pdl=pdl
             )
             attn = ctx.backend.paged_attention(
-                q, key_cache, value_cache, meta, spec["scale"], spec["window"], None
+                q, key_cache, value_cache, meta, layer.scale, layer.window, None
             )
-            h = k.fused_gemv(
-                attn.view(t, -1), spec["o"].weight, bias=spec["o"].bias, residual=h, pdl=pdl
-            )
-            norm, gate_up, rows = spec["post_norm"], spec["gate_up"].weight, spec["gate_rows"]
+            o = layer.o
+            h = k.fused_gemv(attn.view(t, -1), o.weight, bias=o.bias, residual=h, pdl=pdl)
+            norm, gate_up, rows = layer.post_norm, layer.gate_up.weight, layer.gate_rows
             act = k.fused_gemv(
                 h,
                 gate_up[:rows],
@@ -165,7 +181,7 @@ class SmallBatchForward:
                 eps=norm.variance_epsilon,
                 pdl=pdl,
             )
-            h = k.fused_gemv(act, spec["down"].weight, bias=spec["down"].bias, residual=h, pdl=pdl)
+            h = k.fused_gemv(act, layer.down.weight, bias=layer.down.bias, residual=h, pdl=pdl)
         norm = self.base.norm
         return k.fused_gemv(
             h,

@@ -79,6 +79,8 @@ def test_shared_prefix_hits_prefix_cache():
     assert run_.extra["prefix_cache_hit_rate"] > 0.5
     assert run_.extra["engine"]["fuse_projections"]
     assert run_.extra["engine"]["mixed_step_graphs"] == 0  # CPU: no graphs
+    # CPU: the torch attention backend, so transformers' forward at every batch size, and why
+    assert run_.extra["engine"]["small_batch_forward"].startswith("off (attention backend")
     # the baselines that follow in the same invocation get the model as loaded
     assert list(loaded.model.state_dict()) == names
 

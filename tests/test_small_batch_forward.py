@@ -88,6 +88,7 @@ def test_unsupported_models_run_transformers_forward(tiny_model, arch, options):
     opts = {**ENGINE, **options}
     eng = Engine(model, **opts)
     assert eng.runner.small_batch is None
+    assert eng.runner.small_batch_status.startswith("off (")  # with the reason
     prompts, params = _prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0)
     got = [o.output_token_ids for o in eng.generate(prompts, params)]
     eng.shutdown()
@@ -98,6 +99,7 @@ def test_unsupported_models_run_transformers_forward(tiny_model, arch, options):
 def test_default_runs_batch_1_and_2_fused(tiny_model):
     eng = Engine(tiny_model("llama"), **ENGINE)
     assert eng.runner.small_batch.max_rows == 2
+    assert eng.runner.small_batch_status == "on (steps of <= 2 tokens)"  # CPU: no PDL
     seen = _counting(eng)
     eng.generate(_prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0))
     assert set(seen) == {2}  # the two decodes; the 13-token prefill ran transformers' forward
