@@ -80,8 +80,8 @@ class ModelRunner:
             self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self.compiled = use_compile
         self._compile_ok = False
-        self.small_batch = self._small_batch_forward(model, config)
         try:
+            self.small_batch = self._small_batch_forward(model, config)
             self._start(config)
         except Exception:  # e.g. no memory left for the KV cache: the model goes back as it came
             if self._undo_compile is not None:
@@ -201,6 +201,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.graphs = None
+        self.small_batch = None  # it holds the model's modules (and, later, rotary tables)
         self.kv_caches = []
         if self._undo_compile is not None:  # the model goes back to its owner as it came
             self._undo_compile()

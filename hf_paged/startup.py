@@ -107,7 +107,10 @@ def warm_up_kernels(runner) -> None:
         ([1, 1], [long, 9]),
     )
     if runner.small_batch is not None:  # its kernels compile per power-of-2 row count
-        shapes += (([1] * 4, [8] * 4), ([1] * 8, [8] * 8))
+        most = runner.small_batch.max_rows
+        for rows in (4, 8):  # 1 and 2 rows: the decode shapes above
+            if most > rows // 2:
+                shapes += (([1] * min(rows, most), [8] * min(rows, most)),)
     for q_lens, seq_lens in shapes:
         width = -(-max(seq_lens) // bs)
         table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=runner.device)

@@ -109,3 +109,16 @@ def test_default_runs_batch_1_and_2_fused(tiny_model):
 def test_small_batch_rows_validation(tiny_model, bad):
     with pytest.raises(ValueError, match="small_batch_rows"):
         Engine(tiny_model("llama"), small_batch_rows=bad, **ENGINE)
+
+
+@pytest.mark.parametrize("rows,warmed", [(8, {1, 2, 4, 8}), (3, {1, 2, 3}), (2, {1, 2})])
+def test_warm_up_compiles_every_row_count_it_will_run(tiny_model, monkeypatch, rows, warmed):
+    from hf_paged.startup import warm_up_kernels
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    eng = Engine(tiny_model("llama", num_hidden_layers=1), small_batch_rows=rows, **ENGINE)
+    seen = _counting(eng)
+    warm_up_kernels(eng.runner)  # what a CUDA engine runs at start-up
+    assert set(seen) == warmed  # the kernels' power-of-2 row variants (3 rows: the 4-row one)
+    eng.shutdown()
+    assert eng.runner.small_batch is None
