@@ -127,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="paged engine: q/k/v and gate/up projections as one matmul each (default on)",
     )
+    thr.add_argument(
+        "--small-batch-rows",
+        type=int,
+        choices=range(9),
+        metavar="{0..8}",
+        default=None,
+        help="paged engine: steps of at most this many tokens run the fused small-batch forward "
+        "(Llama/Mistral/Qwen2 on the Triton backend; default 2; 0 off)",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
     exp = sub.add_parser(
@@ -300,6 +309,7 @@ def cmd_throughput(args) -> int:
             ("compile_scope", args.compile_scope),
             ("async_scheduling", args.async_scheduling),
             ("fuse_projections", args.fuse_projections),
+            ("small_batch_rows", args.small_batch_rows),
         )
         if v is not None
     }

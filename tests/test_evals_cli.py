@@ -150,7 +150,7 @@ def test_engine_speed_options_default_on_and_can_be_turned_off(tmp_path):
     seen = {}
     for name, flags in (
         ("default", []),
-        ("off", ["--no-async-scheduling", "--no-fuse-projections"]),
+        ("off", ["--no-async-scheduling", "--no-fuse-projections", "--small-batch-rows", "0"]),
     ):
         out = tmp_path / name
         assert (
@@ -159,5 +159,14 @@ def test_engine_speed_options_default_on_and_can_be_turned_off(tmp_path):
         (path,) = out.glob("throughput-*.json")
         data = json.loads(path.read_text())
         engine = data["results"][0]["runs"][0]["metrics"]["extra"]["engine"]
-        seen[name] = (engine["async_scheduling"], engine["fuse_projections"])
-    assert seen == {"default": (True, True), "off": (False, False)}
+        seen[name] = (
+            engine["async_scheduling"],
+            engine["fuse_projections"],
+            engine["small_batch_forward"],
+        )
+    # the CPU runs the torch attention backend, where the small-batch forward is off either way;
+    # the report says why: the backend, or the option passed through
+    assert seen == {
+        "default": (True, True, "off (attention backend 'torch', not 'triton')"),
+        "off": (False, False, "off (small_batch_rows=0)"),
+    }
