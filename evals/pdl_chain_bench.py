@@ -4,12 +4,15 @@
 
 At batch 1 every projection of the TinyLlama-1.1B shape is a 2-46 MB weight read, and each kernel
 pays a ramp (launch, first loads in flight) and a drain (last wave) while HBM idles: cuBLAS reads
-the 8-10 MB q/k/v and o weights at only ~1.5 TB/s (evals/skinny_gemm_bench.py). With PDL the next
-kernel is scheduled while the previous one drains; before it waits on the previous kernel
+the 8-10 MB q/k/v and o weights at only ~1.5 TB/s (evals/h200/skinny-gemm-bench-s5-*). With PDL
+the next kernel is scheduled while the previous one drains; before it waits on the previous kernel
 (griddepcontrol.wait) it can already ask for its weights (a bulk prefetch of its weight tile into
 L2), which do not depend on the previous kernel. This bench times 22 layers x (qkv, o, gate_up,
 down), every weight distinct (1.9 GB, far over L2), captured in one CUDA graph:
-cuBLAS, a Triton GEMV, the same with PDL, and with PDL + L2 prefetch.
+cuBLAS, a Triton GEMV, the same with PDL, and with PDL + L2 prefetch; then the small-batch
+forward's own fused GEMVs (kernels/fused_gemv.py, with norm, SiLU-mul and residual) with and
+without PDL. (A K-loop variant of that kernel measured 40 us a layer and was removed:
+evals/h200/pdl-chain-bench-s5-*.)
 """
 
 from __future__ import annotations
@@ -165,9 +168,8 @@ def main() -> None:
     norm_w = torch.rand(hidden, device=dev, dtype=torch.bfloat16) + 0.5
     h0 = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
 
-    def layer_chain(kernel, pdl):
+    def layer_chain(pdl):
         def fn():
-            fg.GEMV_KERNEL = kernel
             h = h0
             for qkv, o, gate_up, down in ws:
                 a = fg.fused_gemv(h, qkv, norm_weight=norm_w, eps=1e-5, pdl=pdl)
@@ -184,11 +186,8 @@ def main() -> None:
 
         return fn
 
-    for kernel in ("loop", "whole"):
-        for pdl in (False, True):
-            variants.append(
-                (f"fused_gemv layer chain, {kernel} kernel, PDL {pdl}", layer_chain(kernel, pdl))
-            )
+    for pdl in (False, True):
+        variants.append((f"fused_gemv layer chain, PDL {pdl}", layer_chain(pdl)))
     for name, fn in variants:
         try:
             t = timed_graph(fn)

@@ -53,10 +53,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
     except ValueError as exc:
         return str(exc)
     base = getattr(model, "model", None)
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear) or base is None:
-        return "no lm_head nn.Linear / base model"
-    if model.lm_head.bias is not None or type(model.lm_head) is not nn.Linear:
-        return "lm_head is not a plain bias-free nn.Linear"
+    lm_head = getattr(model, "lm_head", None)
+    if base is None or type(lm_head) is not nn.Linear or lm_head.bias is not None:
+        return "no base model, or lm_head is not a plain bias-free nn.Linear"
     if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
         return "embed_tokens is not an nn.Embedding"
     if getattr(base, "rotary_emb", None) is None or not _is_rms_norm(getattr(base, "norm", None)):
@@ -64,6 +63,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of 2"
+    from hf_paged.kernels.fused_gemv import tile_config
+
+    for k, gated in ((cfg.hidden_size, True), (cfg.intermediate_size, False)):
+        if tile_config(k, gated) is None:
+            return f"in_features {k}: a GEMV weight row does not fit in registers"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None:

@@ -12,7 +12,7 @@ from hf_paged.kernels import fused_gemv, fused_gemv_ref, rope_write_kv, rope_wri
 
 fg = importlib.import_module("hf_paged.kernels.fused_gemv")
 
-K, N = 96, 40  # K not a power of 2: the whole-K kernel pads and masks, the loop kernel too
+K, N = 96, 40  # K not a power of 2: the kernel pads the tile and masks
 
 
 def _inputs(dtype, rows, seed=0):
@@ -42,12 +42,10 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["whole", "loop"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
-def test_fused_gemv_matches_reference(monkeypatch, kernel, rows, dtype, option):
-    monkeypatch.setattr(fg, "GEMV_KERNEL", kernel)
+def test_fused_gemv_matches_reference(rows, dtype, option):
     t = _inputs(dtype, rows)
     kw = OPTIONS[option](t)
     x = t["x"] if "rows" in kw else t["x"][:rows]
@@ -60,8 +58,8 @@ def test_fused_gemv_matches_reference(monkeypatch, kernel, rows, dtype, option):
 
 
 @pytest.mark.parametrize(
-    "config",  # the GPU's narrow tiles: many programs, a partial last one (N=40), K tiles
-    [dict(BLOCK_N=4, num_warps=4, WHOLE_K=True), dict(BLOCK_N=8, BLOCK_K=32, num_warps=4)],
+    "config",  # the GPU's narrow tiles: many programs, a partial last one (N=40 by 8)
+    [dict(BLOCK_N=4, num_warps=4), dict(BLOCK_N=8, num_warps=4)],
 )
 @pytest.mark.parametrize("option", ["norm_gated", "bias_residual", "norm_gather"])
 def test_fused_gemv_gpu_tile_shapes(config, option):
@@ -72,10 +70,12 @@ def test_fused_gemv_gpu_tile_shapes(config, option):
     torch.testing.assert_close(got, fused_gemv_ref(x, t["w"], **kw), atol=1e-5, rtol=1e-5)
 
 
-def test_whole_k_tile_falls_back_to_loop_kernel_when_too_large():
-    assert fg.whole_k_config(2560, 2048, gated=False)["BLOCK_N"] == 4
-    assert fg.whole_k_config(2048, 14336, gated=False)["num_warps"] <= 16
-    assert fg.whole_k_config(10, 1 << 20, gated=True) is None  # too wide for registers: loop
+def test_tile_config_keeps_the_weight_tile_in_registers():
+    assert fg.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4)
+    assert fg.tile_config(14336, gated=False)["num_warps"] <= 16  # Llama-3-8B down_proj
+    assert fg.tile_config(1 << 20, gated=True) is None
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_gemv(torch.zeros(1, 1 << 16), torch.zeros(4, 1 << 16))
 
 
 def test_fused_gemv_refuses_bad_inputs():
