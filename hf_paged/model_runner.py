@@ -109,7 +109,7 @@ class ModelRunner:
         self.small_batch_status = (
             f"on (steps of <= {config.small_batch_rows} tokens{', PDL' if pdl else ''})"
         )
-        return SmallBatchForward(model, config.small_batch_rows, pdl)
+        return SmallBatchForward(model, config.small_batch_rows, pdl, config.max_model_len)
 
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""

@@ -8,6 +8,8 @@ kernels/rope_kv.py, the paged attention kernels):
 
     qkv  = RMSNorm(h) @ Wqkv.T (+ b)          fused_gemv  NORM
     q    = rope(q); cache <- rope(k), v         rope_write_kv
+      (or both as one launch, norm_qkv_rope, where cos/sin depend on the position alone:
+       tables over positions are built once from the model's rotary module)
     a    = paged attention(q)                   paged_attention (split KV + reduce)
     h    = h + a @ Wo.T                         fused_gemv  RESIDUAL
     act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
@@ -117,7 +119,9 @@ class SmallBatchForward:
     """forward(input_ids [T], positions [T], keep [R]) -> logits [R, vocab] for T <= max_rows,
     inside an engine step (the forward context holds the KV caches and attention metadata)."""
 
-    def __init__(self, model: nn.Module, max_rows: int, pdl: bool) -> None:
+    def __init__(
+        self, model: nn.Module, max_rows: int, pdl: bool, max_positions: int | None = None
+    ) -> None:
         from hf_paged import kernels
 
         self.kernels = kernels
@@ -128,6 +132,9 @@ class SmallBatchForward:
         self.lm_head = model.lm_head
         self.num_q_heads = cfg.num_attention_heads
         self.layers = []
+        self.cos_table = self.sin_table = None
+        if max_positions:
+            self.cos_table, self.sin_table = _half_rotary_tables(model, max_positions)
         for layer in decoder_layers(model):
             attn, mlp = layer.self_attn, layer.mlp
             window = getattr(attn, "sliding_window", None)
@@ -154,23 +161,49 @@ class SmallBatchForward:
         meta = ctx.attn_metadata
         pdl = self.pdl
         h = self.base.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.base.rotary_emb(h[None], positions[None])
-        cos, sin = cos[0], sin[0]
+        tables = self.cos_table is not None
+        if not tables:  # per step, from the model's rotary module
+            cos, sin = self.base.rotary_emb(h[None], positions[None])
+            cos, sin = cos[0], sin[0]
         t = h.shape[0]
         for layer in self.layers:
             norm = layer.in_norm
-            qkv = k.fused_gemv(
-                h,
-                layer.qkv.weight,
-                norm_weight=norm.weight,
-                eps=norm.variance_epsilon,
-                bias=layer.qkv.bias,
-                pdl=pdl,
-            )
             key_cache, value_cache = ctx.kv_caches[layer.index]
-            q = k.rope_write_kv(
-                qkv, cos, sin, key_cache, value_cache, meta.slot_mapping, self.num_q_heads, pdl=pdl
-            )
+            if tables:  # norm + q/k/v + RoPE + KV write: one launch
+                q = k.norm_qkv_rope(
+                    h,
+                    layer.qkv.weight,
+                    layer.qkv.bias,
+                    norm.weight,
+                    norm.variance_epsilon,
+                    positions,
+                    self.cos_table,
+                    self.sin_table,
+                    key_cache,
+                    value_cache,
+                    meta.slot_mapping,
+                    self.num_q_heads,
+                    pdl=pdl,
+                )
+            else:
+                qkv = k.fused_gemv(
+                    h,
+                    layer.qkv.weight,
+                    norm_weight=norm.weight,
+                    eps=norm.variance_epsilon,
+                    bias=layer.qkv.bias,
+                    pdl=pdl,
+                )
+                q = k.rope_write_kv(
+                    qkv,
+                    cos,
+                    sin,
+                    key_cache,
+                    value_cache,
+                    meta.slot_mapping,
+                    self.num_q_heads,
+                    pdl=pdl,
+                )
             attn = ctx.backend.paged_attention(
                 q, key_cache, value_cache, meta, layer.scale, layer.window, None
             )
@@ -195,3 +228,31 @@ class SmallBatchForward:
             rows=keep,
             pdl=pdl,
         )
+
+
+# Rotary types whose cos/sin depend on the position alone (dynamic NTK and longrope rescale with
+# the sequence length, so they are computed per step instead).
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _half_rotary_tables(model: nn.Module, max_positions: int):
+    """cos/sin [max_positions, D/2] from the model's own rotary module, or (None, None) where
+    they cannot stand for it (a dynamic rope type, halves that differ, a tile too wide)."""
+    from hf_paged.kernels.qkv_rope import qkv_rope_config
+
+    rotary = model.model.rotary_emb
+    if getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
+        return None, None
+    param = next(model.parameters())
+    positions = torch.arange(max_positions, device=param.device)[None]
+    with torch.no_grad():
+        cos, sin = rotary(torch.empty(0, device=param.device, dtype=param.dtype), positions)
+    cos, sin = cos[0], sin[0]
+    half = cos.shape[-1] // 2
+    if not (
+        torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+    ):
+        return None, None
+    if qkv_rope_config(model.config.get_text_config().hidden_size, half) is None:
+        return None, None
+    return cos[:, :half].contiguous(), sin[:, :half].contiguous()

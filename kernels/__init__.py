@@ -11,11 +11,14 @@ the kernels are decorated).
 from .fused_gemv import fused_gemv, fused_gemv_ref
 from .kv_write import write_kv, write_kv_ref
 from .paged_attention import paged_attention, paged_attention_ref
+from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
 
 __all__ = [
     "fused_gemv",
     "fused_gemv_ref",
+    "norm_qkv_rope",
+    "norm_qkv_rope_ref",
     "paged_attention",
     "paged_attention_ref",
     "rope_write_kv",

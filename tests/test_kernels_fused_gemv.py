@@ -130,3 +130,61 @@ def test_rope_write_kv_refuses_bad_inputs():
     odd = torch.zeros(4, 4, 2, 12)
     with pytest.raises(ValueError, match="power of 2"):
         rope_write_kv(torch.zeros(3, 8 * 12), cs[:, :12], cs[:, :12], odd, odd.clone(), slots, 4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_qkv_rope_matches_reference(dtype, rows, bias):
+    from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
+
+    g = torch.Generator().manual_seed(rows)
+    hq, hkv, d = 4, 2, 16
+    n = (hq + 2 * hkv) * d
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w = (torch.randn(n, K, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    angles = torch.randn(50, d // 2, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, 50, (rows,), generator=g)
+    slots = torch.tensor([5, -1, 9])[:rows]
+    caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(4)]
+    args = (positions, cos, sin)
+    q = norm_qkv_rope(x, w, b, nw, 1e-5, *args, caches[0], caches[1], slots, hq)
+    q_ref = norm_qkv_rope_ref(x, w, b, nw, 1e-5, *args, caches[2], caches[3], slots, hq)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-1, rtol=5e-2)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)  # keys, rotated
+    torch.testing.assert_close(caches[1], caches[3], **tol)  # values
+    written = caches[1].flatten(0, 1).abs().sum(dim=(1, 2)) > 0
+    assert written.nonzero().flatten().tolist() == [5, 9][: 1 if rows == 1 else 2]
+
+
+def test_norm_qkv_rope_refuses_bad_inputs():
+    from hf_paged.kernels import norm_qkv_rope
+
+    kc = torch.zeros(4, 4, 2, 16)
+    x, w, nw = torch.zeros(2, K), torch.zeros(8 * 16, K), torch.ones(K)
+    tab, pos, slots = torch.zeros(10, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2).long()
+
+    def call(**kw):
+        a = dict(x=x, weight=w, bias=None, norm_weight=nw, eps=1e-5, positions=pos)
+        a.update(cos_table=tab, sin_table=tab, key_cache=kc, value_cache=kc.clone())
+        a.update(slot_mapping=slots, num_q_heads=4)
+        a.update(kw)
+        return norm_qkv_rope(**a)
+
+    call()  # the valid call runs
+    with pytest.raises(ValueError, match="weight must be"):
+        call(weight=w[:-16])
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        call(
+            x=torch.zeros(9, K), positions=torch.zeros(9).long(), slot_mapping=torch.zeros(9).long()
+        )
+    with pytest.raises(ValueError, match="cos_table"):
+        call(cos_table=torch.zeros(10, 16))
+    with pytest.raises(ValueError, match="positions"):
+        call(positions=pos.int())
+    with pytest.raises(ValueError, match="value_cache"):
+        call(value_cache=kc.double())

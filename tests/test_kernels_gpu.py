@@ -275,3 +275,30 @@ def test_rope_write_kv_real_shapes():
             torch.testing.assert_close(q, q_ref, **tol)
             torch.testing.assert_close(caches[0], caches[2], **tol)
             assert torch.equal(caches[1], caches[3])  # values are copied, not computed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_qkv_rope_real_shapes(dtype):
+    from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k, hq, hkv, d, rows in ((2048, 32, 4, 64, 1), (4096, 32, 8, 128, 2), (3584, 28, 4, 128, 5)):
+        n = (hq + 2 * hkv) * d
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+        x, w, b, nw = rnd(rows, k), rnd(n, k, scale=0.02), rnd(n), rnd(k).abs() + 0.5
+        angles = torch.rand(4096, d // 2, device="cuda", generator=g) * 100
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        positions = torch.randint(0, 4096, (rows,), device="cuda", generator=g)
+        slots = torch.randperm(64 * 16, device="cuda", generator=g)[:rows]
+        slots[0] = -1 if rows > 1 else slots[0]
+        for pdl in (False, True):
+            caches = [torch.zeros(64, 16, hkv, d, device="cuda", dtype=dtype) for _ in range(4)]
+            args = (positions, cos, sin)
+            q = norm_qkv_rope(x, w, b, nw, 1e-5, *args, caches[0], caches[1], slots, hq, pdl=pdl)
+            q_ref = norm_qkv_rope_ref(x, w, b, nw, 1e-5, *args, caches[2], caches[3], slots, hq)
+            tol = 2e-4 if dtype == torch.float32 else 5e-2
+            for a, want in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
+                torch.testing.assert_close(a.float(), want.float(), atol=tol, rtol=tol)

@@ -57,6 +57,28 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch):
     assert 3 in seen and max(seen) <= 8  # the 3-row decodes (and the 3-token prompt) ran fused
 
 
+@pytest.mark.parametrize(
+    "rope,tables",
+    [
+        (None, True),  # cos/sin tables over positions: norm + q/k/v + RoPE + KV write, one launch
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64,
+          "low_freq_factor": 1.0, "high_freq_factor": 4.0}, True),
+        ({"rope_type": "dynamic", "factor": 2.0}, False),  # rescales with length: per step
+    ],
+)  # fmt: skip
+def test_rotary_tables_or_per_step_rotary(tiny_model, rope, tables):
+    model = tiny_model("llama", **({"rope_scaling": rope} if rope else {}))
+    prompts = _prompts([3, 40, 9], seed=2)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
+    eng = Engine(model, small_batch_rows=8, **ENGINE)
+    assert (eng.runner.small_batch.cos_table is not None) == tables
+    seen = _counting(eng)
+    got = eng.generate(prompts, params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert 3 in seen
+
+
 def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
     model = tiny_model("llama")
     prompts = _prompts([5, 6, 7, 8])

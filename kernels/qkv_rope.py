@@ -1,0 +1,235 @@
+"""RMSNorm -> q/k/v projection -> RoPE -> K/V cache write, in one launch (a handful of rows).
+
+The small-batch forward's first two launches per layer (fused_gemv NORM, then rope_write_kv) as
+one: each program owns P rotary pairs of one head, i.e. the 2P weight rows (j, j + D/2) that
+rotate together, so it can rotate its own outputs. Query heads go to a [T, Hq, D] output, key
+heads (rotated) and value heads go straight to their cache slot; the projection's output never
+makes a round trip through memory, and a ~2 us launch per layer goes away.
+
+cos/sin come from tables over positions, [max_positions, D/2] (the rotate-half convention's
+tables repeat after D/2 columns: `SmallBatchForward` checks that before using this kernel), read
+at each row's position. Rounding follows transformers op by op, as fused_gemv and rope_write_kv do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_gemv import fused_gemv_ref, gdc_launch_dependents, gdc_wait
+from .kv_write import check_kv_cache_pair, check_launchable
+from .rope_kv import rope_write_kv_ref
+
+MAX_ROWS = 8
+_ELEMS_PER_THREAD = 64
+_MAX_WARPS = 16
+
+
+def norm_qkv_rope_ref(
+    x, weight, bias, norm_weight, eps, positions, cos_table, sin_table,
+    key_cache, value_cache, slot_mapping, num_q_heads,
+):  # fmt: skip
+    """fused_gemv_ref (NORM) then rope_write_kv_ref, cos/sin gathered from the half tables."""
+    qkv = fused_gemv_ref(x, weight, norm_weight=norm_weight, eps=eps, bias=bias)
+    cos = cos_table[positions].repeat(1, 2)
+    sin = sin_table[positions].repeat(1, 2)
+    return rope_write_kv_ref(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _norm_qkv_rope_kernel(
+    x_ptr,  # [M, K] residual stream
+    nw_ptr,  # [K] RMSNorm weight
+    w_ptr,  # [(Hq + 2 Hkv) * D, K]
+    b_ptr,  # [(Hq + 2 Hkv) * D] (HAS_BIAS)
+    pos_ptr,  # int64 [M]
+    cos_ptr,  # [max_positions, HALF]
+    sin_ptr,
+    q_ptr,  # [M, Hq, D] out
+    kc_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
+    vc_ptr,
+    slot_ptr,  # int64 [M]
+    M,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_cos,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,  # rotary pairs per program (HALF % PAIRS == 0: one head per program)
+    HALF: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    dt = q_ptr.dtype.element_ty
+    first = pid * PAIRS
+    head = first // HALF  # every pair of this program is in one head
+    offs_j = first % HALF + tl.arange(0, PAIRS)  # column within the head's first half
+    rows1 = head * 2 * HALF + offs_j
+    rows2 = rows1 + HALF
+    offs_k = tl.arange(0, K_PAD)
+    k_mask = offs_k < K
+    tile = offs_k[None, :] + tl.zeros([PAIRS, 1], dtype=tl.int32)  # [PAIRS, K_PAD]
+    w1 = tl.load(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K, other=0.0)
+    w2 = tl.load(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K, other=0.0)
+    w1 = w1.to(tl.float32)
+    w2 = w2.to(tl.float32)
+    g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b1 = tl.load(b_ptr + rows1).to(tl.float32)
+        b2 = tl.load(b_ptr + rows2).to(tl.float32)
+    if PDL:
+        gdc_wait()  # x comes from the previous kernel
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            y1 = tl.sum(w1 * x[None, :], axis=1)
+            y2 = tl.sum(w2 * x[None, :], axis=1)
+            if HAS_BIAS:
+                y1 += b1
+                y2 += b2
+            y1 = y1.to(dt).to(tl.float32)  # the projection's output, in the model dtype
+            y2 = y2.to(dt).to(tl.float32)
+            if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate (x * cos + rotate_half * sin)
+                pos = tl.load(pos_ptr + m)
+                cos = tl.load(cos_ptr + pos * stride_cos + offs_j).to(tl.float32)
+                sin = tl.load(sin_ptr + pos * stride_cos + offs_j).to(tl.float32)
+                o1 = (y1 * cos).to(dt).to(tl.float32) + (-y2 * sin).to(dt).to(tl.float32)
+                o2 = (y2 * cos).to(dt).to(tl.float32) + (y1 * sin).to(dt).to(tl.float32)
+            else:
+                o1 = y1
+                o2 = y2
+            if head < NUM_Q_HEADS:
+                out = q_ptr + (m * NUM_Q_HEADS + head) * 2 * HALF
+                tl.store(out + offs_j, o1.to(dt))
+                tl.store(out + HALF + offs_j, o2.to(dt))
+            else:
+                slot = tl.load(slot_ptr + m)
+                if slot >= 0:  # -1: padding, nothing written
+                    block_id = slot // PAGE_SIZE
+                    block_off = slot % PAGE_SIZE
+                    cdt = kc_ptr.dtype.element_ty  # value_cache: the same (check_kv_cache_pair)
+                    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                        j = head - NUM_Q_HEADS
+                        c = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s
+                        c += j * stride_kc_h
+                    else:
+                        j = head - NUM_Q_HEADS - NUM_KV_HEADS
+                        c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s
+                        c += j * stride_vc_h
+                    tl.store(c + offs_j, o1.to(dt).to(cdt))
+                    tl.store(c + HALF + offs_j, o2.to(dt).to(cdt))
+
+
+def qkv_rope_config(k: int, half: int) -> dict | None:
+    """Pairs per program and warps so the two [PAIRS, K] weight tiles stay in registers."""
+    k_pad = triton.next_power_of_2(k)
+    for pairs in (2, 1):
+        if half % pairs:
+            continue
+        warps = max(4, 2 * pairs * k_pad // (32 * _ELEMS_PER_THREAD))
+        if warps <= _MAX_WARPS:
+            return dict(PAIRS=pairs, num_warps=warps)
+    return None
+
+
+def norm_qkv_rope(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K]
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    positions: torch.Tensor,  # int64 [T]
+    cos_table: torch.Tensor,  # [max_positions, D / 2]
+    sin_table: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [T]
+    num_q_heads: int,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:  # rotated queries [T, Hq, D]
+    """norm_qkv_rope_ref by one Triton launch, for at most MAX_ROWS tokens."""
+    check_kv_cache_pair(key_cache, value_cache)
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    t, k = x.shape
+    half = head_dim // 2
+    n = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"key_cache {key_cache.dtype} and value_cache {value_cache.dtype} differ")
+    if weight.shape != (n, k) or weight.stride(1) != 1 or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{n}, {k}] of {x.dtype}, got {list(weight.shape)}")
+    if t > MAX_ROWS:
+        raise ValueError(f"norm_qkv_rope takes at most {MAX_ROWS} tokens, got {t}")
+    if head_dim & (head_dim - 1) or head_dim < 2:
+        raise ValueError(f"head_dim must be a power of 2, got {head_dim}")
+    for name, tab in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if tab.dim() != 2 or tab.shape[1] != half or tab.stride(1) != 1:
+            raise ValueError(f"{name} must be [max_positions, {half}], got {list(tab.shape)}")
+    if sin_table.stride(0) != cos_table.stride(0):
+        raise ValueError("cos_table and sin_table must have one row stride")
+    for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if idx.shape != (t,) or idx.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{t}], got {idx.dtype} {list(idx.shape)}")
+    cfg = qkv_rope_config(k, half)
+    if cfg is None:
+        raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
+    check_launchable(x, "x")
+    q = torch.empty((t, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return q
+    pairs = cfg.pop("PAIRS")
+    if pdl:
+        cfg["launch_pdl"] = True
+    _norm_qkv_rope_kernel[(n // 2 // pairs,)](
+        x,
+        norm_weight,
+        weight,
+        bias if bias is not None else weight,
+        positions,
+        cos_table,
+        sin_table,
+        q,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        t,
+        float(eps),
+        x.stride(0),
+        weight.stride(0),
+        cos_table.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        K=k,
+        K_PAD=triton.next_power_of_2(k),
+        BLOCK_M=triton.next_power_of_2(t),
+        PAIRS=pairs,
+        HALF=half,
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        PAGE_SIZE=key_cache.shape[1],
+        HAS_BIAS=bias is not None,
+        PDL=pdl,
+        **cfg,
+    )
+    return q
