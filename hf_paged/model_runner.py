@@ -109,7 +109,11 @@ class ModelRunner:
         self.small_batch_status = (
             f"on (steps of <= {config.small_batch_rows} tokens{', PDL' if pdl else ''})"
         )
-        return SmallBatchForward(model, config.small_batch_rows, pdl, config.max_model_len)
+        # HF_PAGED_QKV_ROPE=0: RoPE + KV write as their own launch (A/B measurements, evals/)
+        tables = os.environ.get("HF_PAGED_QKV_ROPE", "1") != "0"
+        return SmallBatchForward(
+            model, config.small_batch_rows, pdl, config.max_model_len if tables else None
+        )
 
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""

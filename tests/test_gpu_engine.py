@@ -173,9 +173,10 @@ def test_small_batch_forward_changes_no_greedy_output_fp32(monkeypatch):
             finally:
                 hf_paged.unpatch(model)
             assert torch.equal(out, plain), (lengths, opts)
-        monkeypatch.setenv("HF_PAGED_PDL", "0")
-        assert torch.equal(_generate(model, ids, mask), plain)
-        monkeypatch.delenv("HF_PAGED_PDL")
+        for knob in ("HF_PAGED_PDL", "HF_PAGED_QKV_ROPE"):  # no PDL; RoPE as its own launch
+            monkeypatch.setenv(knob, "0")
+            assert torch.equal(_generate(model, ids, mask, small_batch_rows=8), plain), knob
+            monkeypatch.delenv(knob)
 
 
 def test_bf16_agreement_with_transformers_and_torch_backend():

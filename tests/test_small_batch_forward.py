@@ -79,6 +79,12 @@ def test_rotary_tables_or_per_step_rotary(tiny_model, rope, tables):
     assert 3 in seen
 
 
+def test_qkv_rope_knob_keeps_rope_as_its_own_launch(tiny_model, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_QKV_ROPE", "0")
+    eng = Engine(tiny_model("llama"), small_batch_rows=8, **ENGINE)
+    assert eng.runner.small_batch.cos_table is None
+
+
 def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
     model = tiny_model("llama")
     prompts = _prompts([5, 6, 7, 8])
