@@ -37,6 +37,7 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None,
         softcap: float | None,
+        pdl: bool = False,  # programmatic dependent launch (Triton on Hopper); others ignore it
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -52,7 +53,9 @@ class TorchBackend(AttentionBackend):
 
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
-    def paged_attention(self, query, key_cache, value_cache, meta, scale, sliding_window, softcap):
+    def paged_attention(
+        self, query, key_cache, value_cache, meta, scale, sliding_window, softcap, pdl=False
+    ):
         from hf_paged.kernels import paged_attention_ref
 
         return paged_attention_ref(
@@ -76,7 +79,9 @@ class TritonBackend(AttentionBackend):
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         self._kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def paged_attention(self, query, key_cache, value_cache, meta, scale, sliding_window, softcap):
+    def paged_attention(
+        self, query, key_cache, value_cache, meta, scale, sliding_window, softcap, pdl=False
+    ):
         return self._kernels.paged_attention(
             query,
             key_cache,
@@ -85,6 +90,7 @@ class TritonBackend(AttentionBackend):
             scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            pdl=pdl,
         )
 
 

@@ -216,7 +216,7 @@ class SmallBatchForward:
                     pdl=pdl,
                 )
             attn = ctx.backend.paged_attention(
-                q, key_cache, value_cache, meta, layer.scale, layer.window, None
+                q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
             )
             o = layer.o
             h = k.fused_gemv(attn.view(t, -1), o.weight, bias=o.bias, residual=h, pdl=pdl)

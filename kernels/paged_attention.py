@@ -35,6 +35,7 @@ import triton.language as tl
 
 from hf_paged.forward_context import AttentionMetadata
 
+from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .kv_write import check_kv_cache_pair, check_launchable
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -282,7 +283,11 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (see kernels/fused_gemv.py)
 ):
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may be scheduled (and prefetch its weights)
+        gdc_wait()  # q and the cache come from the previous kernel
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
@@ -504,8 +509,12 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program = one (token, query head): combine the splits' partial softmaxes.
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
@@ -709,6 +718,7 @@ def paged_attention(
     *,
     num_kv_splits: int | None = None,
     config: AttentionConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton paged attention; same semantics as `paged_attention_ref`.
 
@@ -720,6 +730,8 @@ def paged_attention(
     ones (a decode token in a 128-row prefill tile would waste 32x the tensor-core work).
     num_kv_splits overrides the flash-decoding split of decode-only batches (a CUDA graph should
     fix it at capture: it sets the grid); config forces one launch with that tile shape.
+    pdl (Hopper, compiled kernels only): launch with programmatic dependent launch, so the
+    kernel after this one may be scheduled (and prefetch its weights) while attention runs.
     """
     _check_attention_args(query, key_cache, value_cache, meta, out)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -748,6 +760,7 @@ def paged_attention(
             q_filter=0,
             short_q=0,
             zero_fill=True,
+            pdl=pdl,
         )
         return out
 
@@ -770,6 +783,7 @@ def paged_attention(
             q_filter=0,
             short_q=0,
             zero_fill=True,
+            pdl=pdl,
         )
         return out
 
@@ -790,6 +804,7 @@ def paged_attention(
         q_filter=2 if has_short else 0,
         short_q=dec.block_q,
         zero_fill=True,
+        pdl=pdl,
     )
     if has_short:
         # no split here: the reduce runs per token and would clobber the prefill rows
@@ -807,6 +822,7 @@ def paged_attention(
             q_filter=1,
             short_q=dec.block_q,
             zero_fill=False,
+            pdl=pdl,
         )
     return out
 
@@ -825,6 +841,7 @@ def _launch(
     q_filter: int,
     short_q: int,
     zero_fill: bool,
+    pdl: bool = False,
 ) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -907,8 +924,10 @@ def _launch(
         # float32 inputs: true fp32 products (tf32 would cost ~1e-3 relative error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
@@ -928,5 +947,7 @@ def _launch(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            PDL=pdl,
             num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )

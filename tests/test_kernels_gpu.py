@@ -302,3 +302,20 @@ def test_norm_qkv_rope_real_shapes(dtype):
             tol = 2e-4 if dtype == torch.float32 else 5e-2
             for a, want in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
                 torch.testing.assert_close(a.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_paged_attention_pdl_launch_changes_nothing():
+    # decode batches of 1-8 with and without the flash-decoding split: PDL on == PDL off
+    from hf_paged.kernels import paged_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for batch, ctx_len, splits in ((1, 300, 4), (2, 2000, 8), (8, 64, 1)):
+        q = torch.randn(batch, 32, 64, device="cuda", generator=g).to(torch.bfloat16)
+        kc = torch.randn(256, 16, 4, 64, device="cuda", generator=g).to(torch.bfloat16)
+        vc = torch.randn(256, 16, 4, 64, device="cuda", generator=g).to(torch.bfloat16)
+        width = -(-ctx_len // 16)
+        table = torch.randint(0, 256, (batch, width), device="cuda", generator=g).int()
+        meta = AttentionMetadata.from_lengths([1] * batch, [ctx_len] * batch, table)
+        want = paged_attention(q, kc, vc, meta, 0.125, num_kv_splits=splits)
+        got = paged_attention(q, kc, vc, meta, 0.125, num_kv_splits=splits, pdl=True)
+        assert torch.equal(got, want)

@@ -38,9 +38,9 @@ def _record_attention(engine, monkeypatch, what) -> list:
     seen = []
     real = engine.runner.backend.paged_attention
 
-    def recording(q, kc, vc, meta, *a):
+    def recording(q, kc, vc, meta, *a, **kw):
         seen.append(what(meta))
-        return real(q, kc, vc, meta, *a)
+        return real(q, kc, vc, meta, *a, **kw)
 
     monkeypatch.setattr(engine.runner.backend, "paged_attention", recording)
     return seen
