@@ -131,8 +131,6 @@ class SmallBatchForward:
         self.base = model.model
         self.lm_head = model.lm_head
         self.num_q_heads = cfg.num_attention_heads
-        self.hidden_size = cfg.hidden_size
-        self._fits: dict[int, bool] = {}  # rows -> norm_qkv_rope's tiles fit in registers
         self.layers = []
         self.cos_table = self.sin_table = None
         if max_positions:
@@ -157,26 +155,17 @@ class SmallBatchForward:
                 )
             )
 
-    def _qkv_rope_fits(self, rows: int) -> bool:
-        fits = self._fits.get(rows)
-        if fits is None:
-            from hf_paged.kernels.qkv_rope import qkv_rope_config
-
-            fits = qkv_rope_config(self.hidden_size, self.cos_table.shape[1], rows) is not None
-            self._fits[rows] = fits
-        return fits
-
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
         k = self.kernels
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         pdl = self.pdl
         h = self.base.embed_tokens(input_ids)  # [T, hidden]
-        t = input_ids.shape[0]
-        tables = self.cos_table is not None and self._qkv_rope_fits(t)
+        tables = self.cos_table is not None
         if not tables:  # per step, from the model's rotary module
             cos, sin = self.base.rotary_emb(h[None], positions[None])
             cos, sin = cos[0], sin[0]
+        t = h.shape[0]
         for layer in self.layers:
             norm = layer.in_norm
             key_cache, value_cache = ctx.kv_caches[layer.index]

@@ -112,7 +112,6 @@ def _fused_gemv_kernel(
     RESIDUAL: tl.constexpr,
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
-    ROWS_TOGETHER: tl.constexpr,  # several rows as one [rows, BLOCK_N, K] product
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
@@ -139,61 +138,28 @@ def _fused_gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()  # x, rows and residual come from earlier kernels
-    if ROWS_TOGETHER:
-        # all rows at once: one chain of loads and reductions instead of one per row (each row
-        # of the loop below pays an L2 load and two block-wide reductions in sequence)
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        if GATHER:
-            x_rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
-        else:
-            x_rows = offs_m.to(tl.int64)
-        xs = tl.load(
-            x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_M, K_PAD]
-        if NORM:
-            inv_rms = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)  # [BLOCK_M]
-            normed = (xs * inv_rms[:, None]).to(dt).to(tl.float32)
-            xs = (g[None, :] * normed).to(dt).to(tl.float32)
-        ys = tl.sum(xs[:, None, :] * w[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            ys += bias[None, :]
-        if GATED:
-            gate = ys.to(dt).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            ys = act * tl.sum(xs[:, None, :] * w2[None, :, :], axis=2).to(dt).to(tl.float32)
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        if RESIDUAL:
-            res = tl.load(
-                r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0
-            )
-            ys = res.to(tl.float32) + ys.to(dt).to(tl.float32)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], ys.to(dt), mask=out_mask)
-    else:  # one row after another (at one row: the H200-measured path)
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                if GATHER:
-                    x_row = tl.load(rows_ptr + m)
-                else:
-                    x_row = m
-                x = tl.load(x_ptr + x_row * stride_xm + offs_k, mask=k_mask, other=0.0)
-                x = x.to(tl.float32)
-                if NORM:
-                    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-                    x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-                y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
-                if HAS_BIAS:
-                    y += bias
-                if GATED:
-                    gate = y.to(dt).to(tl.float32)
-                    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-                    y = act * tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
-                if RESIDUAL:
-                    res = tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
-                    y = res.to(tl.float32) + y.to(dt).to(tl.float32)
-                tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            if GATHER:
+                x_row = tl.load(rows_ptr + m)
+            else:
+                x_row = m
+            x = tl.load(x_ptr + x_row * stride_xm + offs_k, mask=k_mask, other=0.0)
+            x = x.to(tl.float32)
+            if NORM:
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+                x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
+            if HAS_BIAS:
+                y += bias
+            if GATED:
+                gate = y.to(dt).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+                y = act * tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
+            if RESIDUAL:
+                res = tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
+                y = res.to(tl.float32) + y.to(dt).to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
 
 
 # Per-thread registers for the weight tile(s): at most this many elements.
@@ -201,20 +167,16 @@ _ELEMS_PER_THREAD = 64
 _MAX_WARPS = 16
 
 
-def tile_config(k: int, gated: bool, m: int = 1) -> dict | None:
+def tile_config(k: int, gated: bool) -> dict | None:
     """BLOCK_N and warps so a program's [BLOCK_N, K] weight tile(s) fit in registers (H200,
-    evals/pdl_chain_bench.py: BLOCK_N 4 at K 2048), with ROWS_TOGETHER when the [rows, BLOCK_N,
-    K] products of several rows fit too (else the rows are computed one after another); None if
-    even one row does not (K above 32768, or 16384 gated: no model the small-batch forward
-    takes)."""
+    evals/pdl_chain_bench.py: BLOCK_N 4 at K 2048); None if even one row does not (K above
+    32768, or 16384 gated: no model the small-batch forward takes)."""
     k_pad = triton.next_power_of_2(k)
-    together = triton.next_power_of_2(max(m, 1))
-    for rows in (together, 1) if together > 1 else (1,):
-        for block_n in (4, 2, 1):
-            elems = rows * block_n * k_pad * (2 if gated else 1)
-            warps = max(4, elems // (32 * _ELEMS_PER_THREAD))
-            if warps <= _MAX_WARPS:
-                return dict(BLOCK_N=block_n, num_warps=warps, ROWS_TOGETHER=rows > 1)
+    for block_n in (4, 2, 1):
+        elems = block_n * k_pad * (2 if gated else 1)
+        warps = max(4, elems // (32 * _ELEMS_PER_THREAD))
+        if warps <= _MAX_WARPS:
+            return dict(BLOCK_N=block_n, num_warps=warps)
     return None
 
 
@@ -264,7 +226,7 @@ def fused_gemv(
     y = torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = dict(config) if config is not None else tile_config(k, up_weight is not None, m)
+    cfg = dict(config) if config is not None else tile_config(k, up_weight is not None)
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     if interpreting() and config is None:
@@ -272,7 +234,6 @@ def fused_gemv(
         # programs instead of many narrow ones (same results; tile shapes only matter on a GPU)
         cfg["BLOCK_N"] = min(64, triton.next_power_of_2(n))
     block_n = cfg.pop("BLOCK_N")
-    cfg.setdefault("ROWS_TOGETHER", False)
     if pdl:
         cfg["launch_pdl"] = True
     _fused_gemv_kernel[(triton.cdiv(n, block_n),)](

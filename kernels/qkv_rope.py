@@ -94,64 +94,56 @@ def _norm_qkv_rope_kernel(
         b2 = tl.load(b_ptr + rows2).to(tl.float32)
     if PDL:
         gdc_wait()  # x comes from the previous kernel
-    # every row at once: [BLOCK_M, K] activations against the [PAIRS, K] weight tiles
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    x = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-        mask=m_mask[:, None] & k_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)  # [BLOCK_M]
-    x = (g[None, :] * (x * inv_rms[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    y1 = tl.sum(x[:, None, :] * w1[None, :, :], axis=2)  # [BLOCK_M, PAIRS]
-    y2 = tl.sum(x[:, None, :] * w2[None, :, :], axis=2)
-    if HAS_BIAS:
-        y1 += b1[None, :]
-        y2 += b2[None, :]
-    y1 = y1.to(dt).to(tl.float32)  # the projection's output, in the model dtype
-    y2 = y2.to(dt).to(tl.float32)
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate (x * cos + rotate_half(x) * sin)
-        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0)
-        trig = pos[:, None] * stride_cos + offs_j[None, :]
-        cos = tl.load(cos_ptr + trig, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + trig, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        o1 = (y1 * cos).to(dt).to(tl.float32) + (-y2 * sin).to(dt).to(tl.float32)
-        o2 = (y2 * cos).to(dt).to(tl.float32) + (y1 * sin).to(dt).to(tl.float32)
-    else:
-        o1 = y1
-        o2 = y2
-    if head < NUM_Q_HEADS:
-        out = q_ptr + (offs_m[:, None] * NUM_Q_HEADS + head) * 2 * HALF + offs_j[None, :]
-        tl.store(out, o1.to(dt), mask=m_mask[:, None])
-        tl.store(out + HALF, o2.to(dt), mask=m_mask[:, None])
-    else:
-        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)  # -1: padding, not written
-        ok = (slot >= 0)[:, None]
-        slot = tl.maximum(slot, 0)
-        block_id = slot // PAGE_SIZE
-        block_off = slot % PAGE_SIZE
-        cdt = kc_ptr.dtype.element_ty  # value_cache: the same (checked by the wrapper)
-        if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            c = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s
-            c += (head - NUM_Q_HEADS) * stride_kc_h
-        else:
-            c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s
-            c += (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vc_h
-        c = c[:, None] + offs_j[None, :]
-        tl.store(c, o1.to(dt).to(cdt), mask=ok)
-        tl.store(c + HALF, o2.to(dt).to(cdt), mask=ok)
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            y1 = tl.sum(w1 * x[None, :], axis=1)
+            y2 = tl.sum(w2 * x[None, :], axis=1)
+            if HAS_BIAS:
+                y1 += b1
+                y2 += b2
+            y1 = y1.to(dt).to(tl.float32)  # the projection's output, in the model dtype
+            y2 = y2.to(dt).to(tl.float32)
+            if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate (x * cos + rotate_half * sin)
+                pos = tl.load(pos_ptr + m)
+                cos = tl.load(cos_ptr + pos * stride_cos + offs_j).to(tl.float32)
+                sin = tl.load(sin_ptr + pos * stride_cos + offs_j).to(tl.float32)
+                o1 = (y1 * cos).to(dt).to(tl.float32) + (-y2 * sin).to(dt).to(tl.float32)
+                o2 = (y2 * cos).to(dt).to(tl.float32) + (y1 * sin).to(dt).to(tl.float32)
+            else:
+                o1 = y1
+                o2 = y2
+            if head < NUM_Q_HEADS:
+                out = q_ptr + (m * NUM_Q_HEADS + head) * 2 * HALF
+                tl.store(out + offs_j, o1.to(dt))
+                tl.store(out + HALF + offs_j, o2.to(dt))
+            else:
+                slot = tl.load(slot_ptr + m)
+                if slot >= 0:  # -1: padding, nothing written
+                    block_id = slot // PAGE_SIZE
+                    block_off = slot % PAGE_SIZE
+                    cdt = kc_ptr.dtype.element_ty  # value_cache: the same (check_kv_cache_pair)
+                    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                        j = head - NUM_Q_HEADS
+                        c = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s
+                        c += j * stride_kc_h
+                    else:
+                        j = head - NUM_Q_HEADS - NUM_KV_HEADS
+                        c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s
+                        c += j * stride_vc_h
+                    tl.store(c + offs_j, o1.to(dt).to(cdt))
+                    tl.store(c + HALF + offs_j, o2.to(dt).to(cdt))
 
 
-def qkv_rope_config(k: int, half: int, m: int = 1) -> dict | None:
-    """Pairs per program and warps so the two [PAIRS, K] weight tiles, and their products with
-    the m rows, stay in registers; None: they do not (use fused_gemv + rope_write_kv)."""
+def qkv_rope_config(k: int, half: int) -> dict | None:
+    """Pairs per program and warps so the two [PAIRS, K] weight tiles stay in registers."""
     k_pad = triton.next_power_of_2(k)
-    rows = triton.next_power_of_2(max(m, 1))
     for pairs in (2, 1):
         if half % pairs:
             continue
-        warps = max(4, rows * 2 * pairs * k_pad // (32 * _ELEMS_PER_THREAD))
+        warps = max(4, 2 * pairs * k_pad // (32 * _ELEMS_PER_THREAD))
         if warps <= _MAX_WARPS:
             return dict(PAIRS=pairs, num_warps=warps)
     return None
@@ -195,9 +187,9 @@ def norm_qkv_rope(
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.shape != (t,) or idx.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [{t}], got {idx.dtype} {list(idx.shape)}")
-    cfg = qkv_rope_config(k, half, t)
+    cfg = qkv_rope_config(k, half)
     if cfg is None:
-        raise ValueError(f"in_features {k} x {t} rows: the tiles do not fit in registers")
+        raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     check_launchable(x, "x")
     q = torch.empty((t, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     if t == 0:

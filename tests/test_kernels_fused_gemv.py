@@ -59,11 +59,7 @@ def test_fused_gemv_matches_reference(rows, dtype, option):
 
 @pytest.mark.parametrize(
     "config",  # the GPU's narrow tiles: many programs, a partial last one (N=40 by 8)
-    [
-        dict(BLOCK_N=4, num_warps=4),
-        dict(BLOCK_N=8, num_warps=4),
-        dict(BLOCK_N=4, num_warps=4, ROWS_TOGETHER=True),
-    ],
+    [dict(BLOCK_N=4, num_warps=4), dict(BLOCK_N=8, num_warps=4)],
 )
 @pytest.mark.parametrize("option", ["norm_gated", "bias_residual", "norm_gather"])
 def test_fused_gemv_gpu_tile_shapes(config, option):
@@ -75,9 +71,7 @@ def test_fused_gemv_gpu_tile_shapes(config, option):
 
 
 def test_tile_config_keeps_the_weight_tile_in_registers():
-    assert fg.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4, ROWS_TOGETHER=False)
-    assert fg.tile_config(2048, gated=True, m=3)["ROWS_TOGETHER"]  # [4, BLOCK_N, K] products fit
-    assert not fg.tile_config(14336, gated=False, m=8)["ROWS_TOGETHER"]  # they do not: row loop
+    assert fg.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4)
     assert fg.tile_config(14336, gated=False)["num_warps"] <= 16  # Llama-3-8B down_proj
     assert fg.tile_config(1 << 20, gated=True) is None
     with pytest.raises(ValueError, match="does not fit"):
