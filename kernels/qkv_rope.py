@@ -164,6 +164,7 @@ def norm_qkv_rope(
     num_q_heads: int,
     *,
     pdl: bool = False,
+    config: dict | None = None,  # PAIRS and num_warps instead of qkv_rope_config's (sweeps)
 ) -> torch.Tensor:  # rotated queries [T, Hq, D]
     """norm_qkv_rope_ref by one Triton launch, for at most MAX_ROWS tokens."""
     check_kv_cache_pair(key_cache, value_cache)
@@ -187,7 +188,7 @@ def norm_qkv_rope(
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.shape != (t,) or idx.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [{t}], got {idx.dtype} {list(idx.shape)}")
-    cfg = qkv_rope_config(k, half)
+    cfg = dict(config) if config is not None else qkv_rope_config(k, half)
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     check_launchable(x, "x")
