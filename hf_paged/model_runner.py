@@ -111,8 +111,14 @@ class ModelRunner:
         )
         # HF_PAGED_QKV_ROPE=0: RoPE + KV write as their own launch (A/B measurements, evals/)
         tables = os.environ.get("HF_PAGED_QKV_ROPE", "1") != "0"
+        # HF_PAGED_DECODE_ATTENTION=0: decode steps take the general paged_attention kernel
+        early_reads = os.environ.get("HF_PAGED_DECODE_ATTENTION", "1") != "0"
         return SmallBatchForward(
-            model, config.small_batch_rows, pdl, config.max_model_len if tables else None
+            model,
+            config.small_batch_rows,
+            pdl,
+            config.max_model_len if tables else None,
+            decode_attention=early_reads,
         )
 
     def _start(self, config: EngineConfig) -> None:

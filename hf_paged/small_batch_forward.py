@@ -10,7 +10,9 @@ kernels/rope_kv.py, the paged attention kernels):
     q    = rope(q); cache <- rope(k), v         rope_write_kv
       (or both as one launch, norm_qkv_rope, where cos/sin depend on the position alone:
        tables over positions are built once from the model's rotary module)
-    a    = paged attention(q)                   paged_attention (split KV + reduce)
+    a    = paged attention(q)                   decode_attention (one token a sequence:
+                                                the cache is read before the PDL wait) or
+                                                paged_attention (split KV + reduce)
     h    = h + a @ Wo.T                         fused_gemv  RESIDUAL
     act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
     h    = h + act @ Wd.T                       fused_gemv  RESIDUAL
@@ -120,7 +122,12 @@ class SmallBatchForward:
     inside an engine step (the forward context holds the KV caches and attention metadata)."""
 
     def __init__(
-        self, model: nn.Module, max_rows: int, pdl: bool, max_positions: int | None = None
+        self,
+        model: nn.Module,
+        max_rows: int,
+        pdl: bool,
+        max_positions: int | None = None,
+        decode_attention: bool = True,
     ) -> None:
         from hf_paged import kernels
 
@@ -128,6 +135,7 @@ class SmallBatchForward:
         cfg = model.config.get_text_config()
         self.max_rows = max_rows
         self.pdl = pdl
+        self.decode_attention = decode_attention  # False: every step takes paged_attention
         self.base = model.model
         self.lm_head = model.lm_head
         self.num_q_heads = cfg.num_attention_heads
@@ -166,6 +174,7 @@ class SmallBatchForward:
             cos, sin = self.base.rotary_emb(h[None], positions[None])
             cos, sin = cos[0], sin[0]
         t = h.shape[0]
+        decode = self.decode_attention and meta.max_query_len == 1 and t == meta.num_seqs
         for layer in self.layers:
             norm = layer.in_norm
             key_cache, value_cache = ctx.kv_caches[layer.index]
@@ -204,9 +213,14 @@ class SmallBatchForward:
                     self.num_q_heads,
                     pdl=pdl,
                 )
-            attn = ctx.backend.paged_attention(
-                q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
-            )
+            if decode:  # every sequence one new token: read the old K/V before the PDL wait
+                attn = k.decode_attention(
+                    q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
+                )
+            else:
+                attn = ctx.backend.paged_attention(
+                    q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
+                )
             o = layer.o
             h = k.fused_gemv(attn.view(t, -1), o.weight, bias=o.bias, residual=h, pdl=pdl)
             norm, gate_up, rows = layer.post_norm, layer.gate_up.weight, layer.gate_rows

@@ -111,6 +111,10 @@ def warm_up_kernels(runner) -> None:
         for rows in (4, 8):  # 1 and 2 rows: the decode shapes above
             if most > rows // 2:
                 shapes += (([1] * min(rows, most), [8] * min(rows, most)),)
+        # the decode shapes above ran its decode_attention: decodes of more sequences run
+        # transformers' forward and the general kernel's decode tiles, split and not
+        over = most + 1
+        shapes += (([1] * over, [long] * over), ([1] * over, [8] * over))
     for q_lens, seq_lens in shapes:
         width = -(-max(seq_lens) // bs)
         table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=runner.device)

@@ -8,6 +8,7 @@ at the first launch. For CPU tests set TRITON_INTERPRET=1 before importing (Trit
 the kernels are decorated).
 """
 
+from .decode_attention import decode_attention
 from .fused_gemv import fused_gemv, fused_gemv_ref
 from .kv_write import write_kv, write_kv_ref
 from .paged_attention import paged_attention, paged_attention_ref
@@ -15,6 +16,7 @@ from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
 
 __all__ = [
+    "decode_attention",
     "fused_gemv",
     "fused_gemv_ref",
     "norm_qkv_rope",

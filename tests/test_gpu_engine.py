@@ -173,7 +173,8 @@ def test_small_batch_forward_changes_no_greedy_output_fp32(monkeypatch):
             finally:
                 hf_paged.unpatch(model)
             assert torch.equal(out, plain), (lengths, opts)
-        for knob in ("HF_PAGED_PDL", "HF_PAGED_QKV_ROPE"):  # no PDL; RoPE as its own launch
+        # no PDL; RoPE as its own launch; decodes through the general attention kernel
+        for knob in ("HF_PAGED_PDL", "HF_PAGED_QKV_ROPE", "HF_PAGED_DECODE_ATTENTION"):
             monkeypatch.setenv(knob, "0")
             assert torch.equal(_generate(model, ids, mask, small_batch_rows=8), plain), knob
             monkeypatch.delenv(knob)

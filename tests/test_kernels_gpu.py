@@ -319,3 +319,44 @@ def test_paged_attention_pdl_launch_changes_nothing():
         want = paged_attention(q, kc, vc, meta, 0.125, num_kv_splits=splits)
         got = paged_attention(q, kc, vc, meta, 0.125, num_kv_splits=splits, pdl=True)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_attention_after_the_kernel_that_writes_the_new_token(pdl):
+    # norm_qkv_rope writes this step's K/V row; decode_attention reads every older key before
+    # its PDL wait and the new row after it. Chained 20 times with fresh rows, at the 1.1B, 8B
+    # and Qwen2.5-7B head shapes, against the reference read after a sync, and against the
+    # general kernel.
+    from hf_paged.kernels import decode_attention, norm_qkv_rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k, hq, hkv, d, ctx, batch, splits in (
+        (2048, 32, 4, 64, 256, 1, 4),
+        (2048, 32, 4, 64, 1000, 2, 4),
+        (4096, 32, 8, 128, 129, 1, None),
+        (3584, 28, 4, 128, 3000, 8, 16),
+    ):
+        bf = torch.bfloat16
+        n = (hq + 2 * hkv) * d
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(bf)
+        nw = torch.rand(k, device="cuda", generator=g).to(bf) + 0.5
+        angles = torch.rand(8192, d // 2, device="cuda", generator=g) * 100
+        cos, sin = angles.cos().to(bf), angles.sin().to(bf)
+        width = -(-(ctx + 20) // 16)
+        blocks = batch * width
+        kc = torch.randn(blocks, 16, hkv, d, device="cuda", generator=g).to(bf)
+        vc = torch.randn(blocks, 16, hkv, d, device="cuda", generator=g).to(bf)
+        table = torch.randperm(blocks, device="cuda", generator=g).int().view(batch, width)
+        for step in range(20):
+            seq_len = ctx + step
+            meta = AttentionMetadata.from_lengths([1] * batch, [seq_len] * batch, table)
+            pos = torch.full((batch,), seq_len - 1, device="cuda", dtype=torch.int64)
+            slots = table[:, (seq_len - 1) // 16].long() * 16 + (seq_len - 1) % 16
+            x = torch.randn(batch, k, device="cuda", generator=g).to(bf)
+            q = norm_qkv_rope(x, w, None, nw, 1e-5, pos, cos, sin, kc, vc, slots, hq, pdl=pdl)
+            got = decode_attention(q, kc, vc, meta, d**-0.5, num_kv_splits=splits, pdl=pdl)
+            torch.cuda.synchronize()
+            ref = paged_attention_ref(q, kc, vc, meta, d**-0.5)
+            torch.testing.assert_close(got.float(), ref.float(), atol=1.6e-2, rtol=2e-2)
+            general = paged_attention(q, kc, vc, meta, d**-0.5, num_kv_splits=splits)
+            torch.testing.assert_close(got.float(), general.float(), atol=4e-3, rtol=5e-3)

@@ -32,6 +32,7 @@ if not ON_GPU and not kv_write_mod.interpreting():
 paged_attention = pa_mod.paged_attention
 paged_attention_ref = pa_mod.paged_attention_ref
 AttentionConfig = pa_mod.AttentionConfig
+decode_attention = importlib.import_module("hf_paged.kernels.decode_attention").decode_attention
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # (atol, rtol) against the float32 reference on the same (rounded) inputs
@@ -402,3 +403,52 @@ def test_wrapper_error_device_mismatch():
     query, key_cache, value_cache, meta = _args()
     with pytest.raises(ValueError, match="key_cache is on"):
         paged_attention(query, key_cache.cpu(), value_cache, meta, 0.1)
+
+
+# ---- kernels/decode_attention.py: one query token per sequence, cache read before the PDL wait
+
+
+def check_decode(
+    seq_lens, hq, hkv, d, block_size=16, dtype=torch.float32, window=None, softcap=None, splits=None
+):
+    q, kc, vc, meta = make_batch([1] * len(seq_lens), seq_lens, hq, hkv, d, block_size, dtype)
+    scale = d**-0.5
+    got = decode_attention(q, kc, vc, meta, scale, window, softcap, num_kv_splits=splits, pdl=False)
+    ref = paged_attention_ref(q, kc, vc, meta, scale, window, softcap)
+    assert not torch.isnan(got).any(), "NaN: a masked or unwritten element was read"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
+    # the general kernel's decode tiles: same tiles, same order of keys
+    general = paged_attention(q, kc, vc, meta, scale, window, softcap, num_kv_splits=splits)
+    torch.testing.assert_close(got.float(), general.float(), atol=atol / 4, rtol=rtol / 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 1, 3, 8])
+def test_decode_attention_matches_reference_across_tiles_and_splits(dtype, splits):
+    # 1 key; a full 128-key tile; one key past it (the new token opens a tile); several tiles
+    check_decode([1, 128, 129, 300], 8, 2, 64, dtype=dtype, splits=splits)
+
+
+@pytest.mark.parametrize("hq, hkv, d, block_size", [(4, 4, 32, 16), (8, 1, 80, 32), (6, 2, 16, 8)])
+def test_decode_attention_head_layouts_and_page_sizes(hq, hkv, d, block_size):
+    check_decode([5, 70, 140], hq, hkv, d, block_size, splits=2)
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_attention_sliding_window_and_softcap(splits):
+    # windows ending inside the first tile, on a tile edge, and covering everything
+    check_decode([200, 257, 20], 4, 1, 32, window=64, splits=splits)
+    check_decode([200, 257, 20], 4, 1, 32, window=129, softcap=30.0, splits=splits)
+    check_decode([40], 4, 2, 32, dtype=torch.bfloat16, softcap=20.0, splits=splits)
+
+
+@pytest.mark.parametrize(
+    "q_lens, field",
+    [([1, 2], "max_query_len"), ([1, 1], "num_kv_splits")],
+)
+def test_decode_attention_bad_batches_raise_value_error(q_lens, field):
+    q, kc, vc, meta = make_batch(q_lens, [10, 12], 4, 2, 32)
+    splits = 0 if field == "num_kv_splits" else None
+    with pytest.raises(ValueError, match=field):
+        decode_attention(q, kc, vc, meta, 0.1, num_kv_splits=splits)

@@ -35,7 +35,16 @@ def _counting(eng):
 
 # llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_small_batch_forward_matches_transformers_forward(tiny_model, arch):
+def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monkeypatch):
+    from hf_paged import kernels
+
+    decode_calls = []  # decode steps (one token a sequence) take kernels/decode_attention.py
+    real = kernels.decode_attention
+    monkeypatch.setattr(
+        kernels,
+        "decode_attention",
+        lambda q, *a, **kw: decode_calls.append(q.shape[0]) or real(q, *a, **kw),
+    )
     model = tiny_model(arch)
     # a 3-token prompt is a small prefill step (causal among its tokens); the rest decode
     prompts = _prompts([3, 30, 9])
@@ -55,6 +64,9 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch):
             for tok in da:
                 assert da[tok] == pytest.approx(db[tok], abs=1e-4)
     assert 3 in seen and max(seen) <= 8  # the 3-row decodes (and the 3-token prompt) ran fused
+    # every layer of each fused decode step; not the 3-token prompt (general kernel)
+    layers = model.config.num_hidden_layers
+    assert set(decode_calls) == {3} and len(decode_calls) % layers == 0
 
 
 @pytest.mark.parametrize(
@@ -83,6 +95,21 @@ def test_qkv_rope_knob_keeps_rope_as_its_own_launch(tiny_model, monkeypatch):
     monkeypatch.setenv("HF_PAGED_QKV_ROPE", "0")
     eng = Engine(tiny_model("llama"), small_batch_rows=8, **ENGINE)
     assert eng.runner.small_batch.cos_table is None
+
+
+def test_decode_attention_knob_sends_decodes_to_the_general_kernel(tiny_model, monkeypatch):
+    from hf_paged import kernels
+
+    monkeypatch.setenv("HF_PAGED_DECODE_ATTENTION", "0")
+    monkeypatch.setattr(kernels, "decode_attention", None)  # must not be called
+    model = tiny_model("llama")
+    prompts = _prompts([4, 9])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
+    eng = Engine(model, small_batch_rows=8, **ENGINE)
+    assert eng.runner.small_batch.decode_attention is False
+    got = eng.generate(prompts, params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
 
 
 def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):

@@ -52,10 +52,22 @@ def _shortest_query(meta) -> int:
 
 
 def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
+    from hf_paged import kernels
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="triton")
+    assert engine.runner.small_batch is not None  # its decodes take decode_attention
     seen = _record_attention(
         engine, monkeypatch, lambda m: (m.max_query_len, m.max_seq_len, _shortest_query(m))
+    )
+    decode_lens = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(
+        kernels,
+        "decode_attention",
+        lambda q, kc, vc, meta, *a, **kw: (
+            decode_lens.append(meta.max_seq_len) or real(q, kc, vc, meta, *a, **kw)
+        ),
     )
     before = [c.clone() for pair in engine.runner.kv_caches for c in pair]
     warm_up_kernels(engine.runner)
@@ -65,6 +77,8 @@ def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
     assert max(s for _, s, _ in seen) == engine.config.max_model_len
     # prefill-only batches (no decode-sized query: the kernel skips its short-query filter) too
     assert any(shortest == 64 for _, _, shortest in seen)
+    # the small-batch forward's decodes: a short context, and the longest (split KV)
+    assert min(decode_lens) < 16 and max(decode_lens) == engine.config.max_model_len
     after = [c for pair in engine.runner.kv_caches for c in pair]
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # slots -1: nothing written
 

@@ -1,0 +1,333 @@
+"""Paged attention for decode steps (one new token per sequence) that reads the cache early.
+
+The small-batch forward launches attention with programmatic dependent launch (PDL): it may
+start while the kernel before it (norm_qkv_rope, which writes this step's K/V) still runs, and
+waits (griddepcontrol.wait) before reading what that kernel wrote. At batch 1 attention is
+latency, not bytes: ~7 us a layer on the H200 for a few hundred keys, a chain of dependent loads
+(sequence length, block table, K, V) after that wait. Everything in that chain except the
+query and the new token's K/V row was written by earlier steps, so this kernel issues it
+before the wait: the block ids and the K/V rows of each program's first tile of keys are in
+registers by the time the previous kernel finishes. After the wait it loads the query, re-reads
+the one row of the tile the previous kernel wrote (the new token's position), and computes.
+
+Same arithmetic as kernels/paged_attention.py's decode tiles (one token x the GQA group of a KV
+head per program, flash-decoding splits combined by its reduce kernel), for batches where every
+sequence has exactly one query token: token i belongs to sequence i. Other batches use
+paged_attention.
+
+Why the early reads are safe: a decode step writes only the new token's slot of each layer's
+cache, and the step's first kernel (the embedding) is an ordinary launch, which starts only
+after everything before it in the stream (earlier steps' writes, block copies, the host's
+copies of seq_lens and block tables) has finished.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_paged.forward_context import AttentionMetadata
+
+from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .paged_attention import (
+    _check_attention_args,
+    _reduce_splits_kernel,
+    _tanh,
+    choose_num_kv_splits,
+    decode_config,
+)
+
+
+@triton.jit
+def _attend(
+    acc,  # f32 [BLOCK_M, HEAD_DIM_PAD], unnormalised output
+    l_i,  # f32 [BLOCK_M], running softmax denominator
+    m_i,  # f32 [BLOCK_M], running max (log2 units)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    k,  # [BLOCK_N, HEAD_DIM_PAD], rows past the keys are zeros
+    v,
+    keep,  # [BLOCK_N] bool: keys this token sees
+    scale,
+    softcap,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # paged_attention's _attend_kv_tile for a masked tile, on K/V already loaded
+    if DOT_UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # f32 [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap))
+        s = s * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    s = tl.where(keep[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    p = p.to(v.dtype)  # the tensor cores take P in the cache dtype (bf16/fp16)
+    if DOT_UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_wo_t", "stride_wo_h", "stride_wl_t"])
+def _decode_attention_kernel(
+    out_ptr,  # [T, Hq, D]
+    ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_PAD] (SPLIT only)
+    ws_lse_ptr,  # f32 [T, Hq, num_splits] (SPLIT only)
+    query_ptr,  # [T, Hq, D]; token i is sequence i's only query
+    key_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
+    value_cache_ptr,
+    block_table_ptr,  # int32 [T, max_blocks]
+    seq_lens_ptr,  # int32 [T]
+    num_splits,
+    scale,
+    softcap,
+    sliding_window,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    stride_bt_s,
+    stride_wo_t,
+    stride_wo_h,
+    stride_wo_s,
+    stride_wl_t,
+    stride_wl_h,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        gdc_launch_dependents()  # the o-projection may be scheduled and fetch its weights
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # ---- before the wait: only what earlier steps wrote --------------------------------------
+    seq_len = tl.load(seq_lens_ptr + seq)
+    pos = seq_len - 1  # the new token's position: its K/V row is written by the kernel before
+    if SLIDING:
+        kv_lo = tl.maximum(pos - sliding_window + 1, 0)
+    else:
+        kv_lo = 0
+    range_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    # the split boundaries paged_attention uses: multiples of BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - range_lo, num_splits), BLOCK_N) * BLOCK_N
+    split_lo = range_lo + split_id * chunk
+    split_hi = tl.minimum(split_lo + chunk, seq_len)
+    t_lo = split_lo // BLOCK_N
+    t_hi = tl.cdiv(split_hi, BLOCK_N)
+    k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
+    v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
+    bt_row_ptr = block_table_ptr + seq * stride_bt_s
+
+    k_idx = t_lo * BLOCK_N + offs_n  # the first tile's key positions
+    k_ok = k_idx < split_hi
+    block_ids = tl.load(bt_row_ptr + k_idx // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+    in_page = (k_idx % PAGE_SIZE).to(tl.int64)
+    k_ptrs = k_head_ptr + (block_ids * stride_kc_b + in_page * stride_kc_s)[:, None]
+    v_ptrs = v_head_ptr + (block_ids * stride_vc_b + in_page * stride_vc_s)[:, None]
+    kv_mask = k_ok[:, None] & d_mask[None, :]
+    k = tl.load(k_ptrs + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    if PDL:
+        gdc_wait()  # the query and the new token's K/V come from the previous kernel
+    offs_m = tl.arange(0, BLOCK_M)
+    row_valid = offs_m < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m
+    row_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(
+        query_ptr + seq * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+    # the new token's row, if this tile holds it, as the previous kernel wrote it
+    fresh = (k_idx == pos)[:, None] & d_mask[None, :]
+    k = tl.where(fresh, tl.load(k_ptrs + offs_d[None, :], mask=fresh, other=0.0), k)
+    v = tl.where(fresh, tl.load(v_ptrs + offs_d[None, :], mask=fresh, other=0.0), v)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if t_lo < t_hi:
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, k, v, k_ok & (k_idx >= kv_lo), scale, softcap,
+            SOFTCAP, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
+    for t in range(t_lo + 1, t_hi):  # the split's further tiles: loaded after the wait
+        k_idx = t * BLOCK_N + offs_n
+        k_ok = k_idx < split_hi
+        block_ids = tl.load(bt_row_ptr + k_idx // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+        in_page = (k_idx % PAGE_SIZE).to(tl.int64)
+        kv_mask = k_ok[:, None] & d_mask[None, :]
+        k_off = (block_ids * stride_kc_b + in_page * stride_kc_s)[:, None] + offs_d[None, :]
+        v_off = (block_ids * stride_vc_b + in_page * stride_vc_s)[:, None] + offs_d[None, :]
+        k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_head_ptr + v_off, mask=kv_mask, other=0.0)
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, k, v, k_ok, scale, softcap, SOFTCAP, DOT_PRECISION, DOT_UPCAST
+        )
+
+    # an empty split (l == 0) weighs 0 in the reduce
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
+        wo = ws_o_ptr + seq * stride_wo_t + head[:, None] * stride_wo_h + split_id * stride_wo_s
+        tl.store(wo + offs_d[None, :], o, mask=row_valid[:, None])
+        tl.store(
+            ws_lse_ptr + seq * stride_wl_t + head * stride_wl_h + split_id, lse, mask=row_valid
+        )
+    else:
+        o_ptrs = out_ptr + seq * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_seqs, Hq, D]: one new token per sequence
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    *,
+    num_kv_splits: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:  # [num_seqs, Hq, D]
+    """paged_attention for a batch whose every sequence has exactly one query token (token i
+    is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
+    num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention."""
+    _check_attention_args(query, key_cache, value_cache, meta, None)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = meta.seq_lens.shape[0]
+    if meta.max_query_len != 1 or num_tokens != num_seqs:
+        raise ValueError(
+            f"decode_attention takes one query token per sequence: meta.max_query_len "
+            f"{meta.max_query_len} (must be 1), {num_tokens} tokens for {num_seqs} sequences"
+        )
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    cfg = decode_config(group, head_dim)
+    splits = num_kv_splits or choose_num_kv_splits(
+        num_seqs, num_kv_heads, meta.max_seq_len, query.device
+    )
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    split = splits > 1
+    if split:
+        n_o = num_tokens * num_q_heads * splits * head_dim_pad
+        ws = torch.empty(
+            n_o + num_tokens * num_q_heads * splits, dtype=torch.float32, device=query.device
+        )
+        ws_o = ws[:n_o].view(num_tokens, num_q_heads, splits, head_dim_pad)
+        ws_lse = ws[n_o:].view(num_tokens, num_q_heads, splits)
+    else:
+        ws_o = ws_lse = out  # unused (SPLIT is constexpr False)
+    sliding = sliding_window is not None and sliding_window > 0
+    capped = softcap is not None and softcap > 0
+    # as in paged_attention: the interpreter multiplies bf16 dot operands as raw bits; upcast
+    upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+    launch = {"launch_pdl": True} if pdl else {}
+    _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
+        out,
+        ws_o,
+        ws_lse,
+        query,
+        key_cache,
+        value_cache,
+        meta.block_table,
+        meta.seq_lens,
+        splits,
+        float(scale),
+        float(softcap) if capped else 1.0,
+        int(sliding_window) if sliding else 0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        meta.block_table.stride(0),
+        ws_o.stride(0),
+        ws_o.stride(1),
+        ws_o.stride(2) if split else 0,
+        ws_lse.stride(0),
+        ws_lse.stride(1),
+        QUERIES_PER_KV=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SPLIT=split,
+        SLIDING=sliding,
+        SOFTCAP=capped,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        DOT_UPCAST=upcast,
+        PDL=pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch,
+    )
+    if split:
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            ws_o,
+            ws_lse,
+            meta.query_start_loc,
+            num_seqs,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            ws_o.stride(0),
+            ws_o.stride(1),
+            ws_o.stride(2),
+            ws_lse.stride(0),
+            ws_lse.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            PDL=pdl,
+            num_warps=4,
+            **launch,
+        )
+    return out
