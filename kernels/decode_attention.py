@@ -32,7 +32,8 @@ from hf_paged.forward_context import AttentionMetadata
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .paged_attention import (
     _check_attention_args,
-    _reduce_splits_kernel,
+    _reduce_splits,
+    _split_workspace,
     _tanh,
     choose_num_kv_splits,
     decode_config,
@@ -249,15 +250,7 @@ def decode_attention(
     )
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     split = splits > 1
-    if split:
-        n_o = num_tokens * num_q_heads * splits * head_dim_pad
-        ws = torch.empty(
-            n_o + num_tokens * num_q_heads * splits, dtype=torch.float32, device=query.device
-        )
-        ws_o = ws[:n_o].view(num_tokens, num_q_heads, splits, head_dim_pad)
-        ws_lse = ws[n_o:].view(num_tokens, num_q_heads, splits)
-    else:
-        ws_o = ws_lse = out  # unused (SPLIT is constexpr False)
+    ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_pad)
     sliding = sliding_window is not None and sliding_window > 0
     capped = softcap is not None and softcap > 0
     # as in paged_attention: the interpreter multiplies bf16 dot operands as raw bits; upcast
@@ -309,25 +302,5 @@ def decode_attention(
         **launch,
     )
     if split:
-        _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            ws_o,
-            ws_lse,
-            meta.query_start_loc,
-            num_seqs,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            ws_o.stride(0),
-            ws_o.stride(1),
-            ws_o.stride(2),
-            ws_lse.stride(0),
-            ws_lse.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            PDL=pdl,
-            num_warps=4,
-            **launch,
-        )
+        _reduce_splits(out, ws_o, ws_lse, meta, splits, head_dim, head_dim_pad, pdl)
     return out

@@ -861,16 +861,7 @@ def _launch(
     sliding = sliding_window is not None and sliding_window > 0
     capped = softcap is not None and softcap > 0
     split = num_splits > 1
-    if split:
-        # one allocation for both partials: f32 [T, Hq, S, D_pad] outputs, then [T, Hq, S] lse
-        n_o = num_tokens * num_q_heads * num_splits * head_dim_pad
-        ws = torch.empty(
-            n_o + num_tokens * num_q_heads * num_splits, dtype=torch.float32, device=query.device
-        )
-        ws_o = ws[:n_o].view(num_tokens, num_q_heads, num_splits, head_dim_pad)
-        ws_lse = ws[n_o:].view(num_tokens, num_q_heads, num_splits)
-    else:
-        ws_o = ws_lse = out  # unused (SPLIT is constexpr False); any pointer will do
+    ws_o, ws_lse = _split_workspace(query, out, num_splits, head_dim_pad)
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits: upcast there
     # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
     upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
@@ -930,24 +921,43 @@ def _launch(
         **({"launch_pdl": True} if pdl else {}),
     )
     if split:
-        _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            ws_o,
-            ws_lse,
-            meta.query_start_loc,
-            num_seqs,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            ws_o.stride(0),
-            ws_o.stride(1),
-            ws_o.stride(2),
-            ws_lse.stride(0),
-            ws_lse.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            PDL=pdl,
-            num_warps=4,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+        _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, pdl)
+
+
+def _split_workspace(query, out, num_splits: int, head_dim_pad: int):
+    """The flash-decoding partials, one allocation: f32 outputs [T, Hq, S, D_pad] and log2-sum-
+    exps [T, Hq, S]; unsplit, (out, out) (SPLIT is constexpr False: any pointer will do)."""
+    if num_splits == 1:
+        return out, out
+    num_tokens, num_q_heads = query.shape[:2]
+    n_o = num_tokens * num_q_heads * num_splits * head_dim_pad
+    ws = torch.empty(
+        n_o + num_tokens * num_q_heads * num_splits, dtype=torch.float32, device=query.device
+    )
+    ws_o = ws[:n_o].view(num_tokens, num_q_heads, num_splits, head_dim_pad)
+    return ws_o, ws[n_o:].view(num_tokens, num_q_heads, num_splits)
+
+
+def _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, pdl) -> None:
+    """Combine the splits' partials into out, one program per (token, query head)."""
+    _reduce_splits_kernel[(out.shape[0], out.shape[1])](
+        out,
+        ws_o,
+        ws_lse,
+        meta.query_start_loc,
+        meta.seq_lens.shape[0],
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        ws_o.stride(0),
+        ws_o.stride(1),
+        ws_o.stride(2),
+        ws_lse.stride(0),
+        ws_lse.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        PDL=pdl,
+        num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
+    )
