@@ -9,12 +9,14 @@ distinct, PDL on, captured in one CUDA graph: the engine's batch-1 step without 
 and sampling. Each site's launch configuration is swept while the others keep their defaults
 (tile_config / qkv_rope_config / decode_config and the split count the engine's graphs use, the
 one for max_model_len); the best per site, then all of them together, are timed against the
-defaults. Median of 9 replays; the bound is the weight bytes / 4.2 TB/s.
+defaults. Median of graph replays (evals/kernels.py bench_graph, L2 flushed before each; the
+session-6 log was timed without the flush, by a copy of that loop); the bound is the weight
+bytes / 4.2 TB/s.
 """
 
 from __future__ import annotations
 
-import statistics
+import importlib
 import sys
 from pathlib import Path
 
@@ -37,26 +39,12 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 5632, 32, 4, 64, 32000
 PAGE = 16
 
 
-def timed_graph(fn, reps: int = 9) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+def timed_graph(fn) -> float:
+    """Seconds per CUDA-graph replay of fn: evals/kernels.py's bench_graph (median, L2 flushed)."""
+    from hf_paged.testing import load_evals
+
+    load_evals()  # evals/ as the package hf_paged_evals
+    return importlib.import_module("hf_paged_evals.kernels").bench_graph(fn) / 1e3
 
 
 def gemv_candidates(k: int, gated: bool) -> list[dict]:

@@ -18,7 +18,6 @@ evals/h200/pdl-chain-bench-s5-*.)
 from __future__ import annotations
 
 import importlib
-import statistics
 import sys
 from pathlib import Path
 
@@ -88,25 +87,11 @@ def gemv(x, w, y, pdl, prefetch, block_n=4, block_k=512, warps=4):
 
 
 def timed_graph(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    """Seconds per CUDA-graph replay of fn: evals/kernels.py's bench_graph (median, L2 flushed)."""
+    from hf_paged.testing import load_evals
+
+    load_evals()  # evals/ as the package hf_paged_evals
+    return importlib.import_module("hf_paged_evals.kernels").bench_graph(fn) / 1e3
 
 
 def main() -> None:

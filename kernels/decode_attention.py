@@ -31,10 +31,11 @@ from hf_paged.forward_context import AttentionMetadata
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .paged_attention import (
+    _accumulate_pv,
     _check_attention_args,
     _reduce_splits,
+    _softmax_step,
     _split_workspace,
-    _tanh,
     choose_num_kv_splits,
     decode_config,
 )
@@ -42,41 +43,15 @@ from .paged_attention import (
 
 @triton.jit
 def _attend(
-    acc,  # f32 [BLOCK_M, HEAD_DIM_PAD], unnormalised output
-    l_i,  # f32 [BLOCK_M], running softmax denominator
-    m_i,  # f32 [BLOCK_M], running max (log2 units)
-    q,  # [BLOCK_M, HEAD_DIM_PAD]
-    k,  # [BLOCK_N, HEAD_DIM_PAD], rows past the keys are zeros
-    v,
-    keep,  # [BLOCK_N] bool: keys this token sees
-    scale,
-    softcap,
-    SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-):
-    # paged_attention's _attend_kv_tile for a masked tile, on K/V already loaded
-    if DOT_UPCAST:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # f32 [BLOCK_M, BLOCK_N]
-    if SOFTCAP:
-        s = softcap * _tanh(s * (scale / softcap))
-        s = s * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
-    s = tl.where(keep[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    p = p.to(v.dtype)  # the tensor cores take P in the cache dtype (bf16/fp16)
-    if DOT_UPCAST:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    acc, l_i, m_i, q, k, v, keep, scale, softcap,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):  # fmt: skip
+    # paged_attention's masked tile (_attend_kv_tile) on K/V already loaded; keep: [BLOCK_N]
+    p, acc, l_i, m_i = _softmax_step(
+        acc, l_i, m_i, q, k, keep[None, :], scale, softcap, True, SOFTCAP, DOT_PRECISION,
+        DOT_UPCAST,
+    )  # fmt: skip
+    return _accumulate_pv(acc, p, v, DOT_PRECISION, DOT_UPCAST), l_i, m_i
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_wo_t", "stride_wo_h", "stride_wl_t"])

@@ -171,6 +171,35 @@ def _attend_kv_tile(
     k_ptrs = k_head_ptr + k_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
     v_ptrs = v_head_ptr + v_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
     k = _load_kv_rows(k_ptrs, k_valid, offs_d, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    if MASKED:
+        keep = k_idx[None, :] <= q_pos[:, None]
+        if SLIDING:
+            keep = keep & (k_idx[None, :] > q_pos[:, None] - sliding_window)
+    else:
+        keep = k_valid  # not read: unmasked tiles skip the mask
+    p, acc, l_i, m_new = _softmax_step(
+        acc, l_i, m_i, q, k, keep, scale, softcap, MASKED, SOFTCAP, DOT_PRECISION, DOT_UPCAST
+    )
+    v = _load_kv_rows(v_ptrs, k_valid, offs_d, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    return _accumulate_pv(acc, p, v, DOT_PRECISION, DOT_UPCAST), l_i, m_new
+
+
+@triton.jit
+def _softmax_step(
+    acc,  # f32 [BLOCK_M, HEAD_DIM_PAD], unnormalised output
+    l_i,  # f32 [BLOCK_M], running softmax denominator
+    m_i,  # f32 [BLOCK_M], running max (log2 units)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    k,  # [BLOCK_N, HEAD_DIM_PAD]
+    keep,  # bool, broadcastable to [BLOCK_M, BLOCK_N]: the keys each row sees (MASKED)
+    scale,
+    softcap,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """Scores of one K tile and the online-softmax update: (P, acc rescaled, l, m)."""
     if DOT_UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # f32 [BLOCK_M, BLOCK_N]
@@ -180,11 +209,7 @@ def _attend_kv_tile(
     else:
         s = s * (scale * 1.4426950408889634)
     if MASKED:
-        keep = k_idx[None, :] <= q_pos[:, None]
-        if SLIDING:
-            keep = keep & (k_idx[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(keep, s, float("-inf"))
-
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
         # A row can have seen no visible key yet (window edge): keep exp2 away from -inf - -inf.
@@ -194,14 +219,16 @@ def _attend_kv_tile(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    v = _load_kv_rows(v_ptrs, k_valid, offs_d, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    return p, acc * alpha[:, None], l_i, m_new
+
+
+@triton.jit
+def _accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     p = p.to(v.dtype)  # the tensor cores take P in the cache dtype (bf16/fp16)
     if DOT_UPCAST:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
-    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    return tl.dot(p, v, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit

@@ -17,13 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import fused_gemv_ref, gdc_launch_dependents, gdc_wait
+from .fused_gemv import (
+    _ELEMS_PER_THREAD,
+    _MAX_WARPS,
+    MAX_ROWS,
+    fused_gemv_ref,
+    gdc_launch_dependents,
+    gdc_wait,
+)
 from .kv_write import check_kv_cache_pair, check_launchable
-from .rope_kv import rope_write_kv_ref
-
-MAX_ROWS = 8
-_ELEMS_PER_THREAD = 64
-_MAX_WARPS = 16
+from .rope_kv import rope_write_kv_ref, rotate_halves
 
 
 def norm_qkv_rope_ref(
@@ -110,15 +113,14 @@ def _norm_qkv_rope_kernel(
                 pos = tl.load(pos_ptr + m)
                 cos = tl.load(cos_ptr + pos * stride_cos + offs_j).to(tl.float32)
                 sin = tl.load(sin_ptr + pos * stride_cos + offs_j).to(tl.float32)
-                o1 = (y1 * cos).to(dt).to(tl.float32) + (-y2 * sin).to(dt).to(tl.float32)
-                o2 = (y2 * cos).to(dt).to(tl.float32) + (y1 * sin).to(dt).to(tl.float32)
+                o1, o2 = rotate_halves(y1, y2, cos, cos, sin, sin, dt)
             else:
-                o1 = y1
-                o2 = y2
+                o1 = y1.to(dt)
+                o2 = y2.to(dt)
             if head < NUM_Q_HEADS:
                 out = q_ptr + (m * NUM_Q_HEADS + head) * 2 * HALF
-                tl.store(out + offs_j, o1.to(dt))
-                tl.store(out + HALF + offs_j, o2.to(dt))
+                tl.store(out + offs_j, o1)
+                tl.store(out + HALF + offs_j, o2)
             else:
                 slot = tl.load(slot_ptr + m)
                 if slot >= 0:  # -1: padding, nothing written
@@ -133,8 +135,8 @@ def _norm_qkv_rope_kernel(
                         j = head - NUM_Q_HEADS - NUM_KV_HEADS
                         c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s
                         c += j * stride_vc_h
-                    tl.store(c + offs_j, o1.to(dt).to(cdt))
-                    tl.store(c + HALF + offs_j, o2.to(dt).to(cdt))
+                    tl.store(c + offs_j, o1.to(cdt))
+                    tl.store(c + HALF + offs_j, o2.to(cdt))
 
 
 def qkv_rope_config(k: int, half: int) -> dict | None:

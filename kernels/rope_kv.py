@@ -47,13 +47,19 @@ def rope_write_kv_ref(
 
 
 @triton.jit
-def _rotate(base, cos1, cos2, sin1, sin2, offs, HALF: tl.constexpr, dt):
-    x1 = tl.load(base + offs).to(tl.float32)
-    x2 = tl.load(base + HALF + offs).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype
+def rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dt):
+    """x * cos + rotate_half(x) * sin on a head's two halves (f32 values of model-dtype
+    numbers), each product and the sum rounded to the model dtype as transformers rounds them."""
     o1 = (x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)
     o2 = (x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)
     return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
+def _rotate(base, cos1, cos2, sin1, sin2, offs, HALF: tl.constexpr, dt):
+    x1 = tl.load(base + offs).to(tl.float32)
+    x2 = tl.load(base + HALF + offs).to(tl.float32)
+    return rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dt)
 
 
 @triton.jit
