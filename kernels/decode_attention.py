@@ -31,8 +31,10 @@ from hf_paged.forward_context import AttentionMetadata
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .paged_attention import (
+    AttentionConfig,
     _accumulate_pv,
     _check_attention_args,
+    _num_sms,
     _reduce_splits,
     _softmax_step,
     _split_workspace,
@@ -189,6 +191,25 @@ def _decode_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+def _default_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
+) -> int:
+    """One key tile per split (at most paged_attention's 32 splits): each split's first tile is
+    read before the PDL wait, the rest after it. H200, 1.1B shape, batch 1, the whole step in a
+    graph (evals/batch1_critical_path.py splits=1): 16 splits for max_model_len 2048, against
+    paged_attention's 4 (>= 512 keys each), save 2 us a layer at 640 keys and 5 at 1536, and
+    nothing at 256; 32 cost ~0.7 us more than 16. But not where that grid would take more than
+    half the SMs: the o-projection's programs must still find room to load their weights during
+    attention. Llama-3-8B (8 KV heads x 16 = 128 programs) fell from 222 to 202 tok/s
+    (evals/h200/engine-bench-decode-splits-ab-s7-*); there paged_attention's count stays."""
+    splits = choose_num_kv_splits(
+        num_seqs, num_kv_heads, max_seq_len, device, min_keys_per_split=block_n
+    )
+    if num_seqs * num_kv_heads * splits > _num_sms(device) // 2:
+        splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device)
+    return splits
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, Hq, D]: one new token per sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -200,10 +221,12 @@ def decode_attention(
     *,
     num_kv_splits: int | None = None,
     pdl: bool = False,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:  # [num_seqs, Hq, D]
     """paged_attention for a batch whose every sequence has exactly one query token (token i
     is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
-    num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention."""
+    num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention;
+    config (tile shape and warps, evals/ sweeps) replaces decode_config's."""
     _check_attention_args(query, key_cache, value_cache, meta, None)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
@@ -219,9 +242,9 @@ def decode_attention(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    cfg = decode_config(group, head_dim)
-    splits = num_kv_splits or choose_num_kv_splits(
-        num_seqs, num_kv_heads, meta.max_seq_len, query.device
+    cfg = config or decode_config(group, head_dim)
+    splits = num_kv_splits or _default_num_kv_splits(
+        num_seqs, num_kv_heads, meta.max_seq_len, cfg.block_n, query.device
     )
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     split = splits > 1

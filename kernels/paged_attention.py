@@ -649,14 +649,19 @@ def select_config(
 
 
 def choose_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device,
+    min_keys_per_split: int = _MIN_KEYS_PER_SPLIT,
 ) -> int:
-    """Flash-decoding split count: enough programs to fill the GPU, enough keys per split."""
+    """Flash-decoding split count: enough programs to fill the GPU, enough keys per split
+    (decode_attention asks for fewer keys per split: one tile)."""
     programs = max(1, num_seqs * num_kv_heads)
     target = _SPLIT_TARGET_PROGRAMS_PER_SM * _num_sms(device)
     if programs >= target:
         return 1
-    by_len = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+    by_len = max(1, max_seq_len // min_keys_per_split)
     return max(1, min(triton.cdiv(target, programs), by_len, _MAX_SPLITS))
 
 

@@ -334,6 +334,7 @@ def test_decode_attention_after_the_kernel_that_writes_the_new_token(pdl):
         (2048, 32, 4, 64, 256, 1, 4),
         (2048, 32, 4, 64, 1000, 2, 4),
         (4096, 32, 8, 128, 129, 1, None),
+        (2048, 32, 4, 64, 1500, 1, None),  # the default: one 128-key tile a split, 11 splits
         (3584, 28, 4, 128, 3000, 8, 16),
     ):
         bf = torch.bfloat16

@@ -444,6 +444,27 @@ def test_decode_attention_sliding_window_and_softcap(splits):
 
 
 @pytest.mark.parametrize(
+    "kv_heads, max_seq_len, want",
+    [(1, 100, 1), (1, 300, 2), (1, 2048, 16), (1, 1 << 20, 32), (4, 2048, 16), (8, 2048, 4)],
+)
+def test_decode_attention_default_split_is_one_key_tile(monkeypatch, kv_heads, max_seq_len, want):
+    # each split's first key tile is read before the PDL wait, so splits of one tile (BLOCK_N
+    # keys, 128 at head_dim 64), at most 32, unless that grid takes more than half the SMs
+    # (8 KV heads x 16 on 132 SMs): then paged_attention's own count, >= 512 keys a split
+    mod = importlib.import_module("hf_paged.kernels.decode_attention")  # the module
+    for m in (mod, pa_mod):  # an H200's 132 SMs
+        monkeypatch.setattr(m, "_num_sms", lambda device: 132)
+    seen = []
+    real = mod._reduce_splits
+    monkeypatch.setattr(mod, "_reduce_splits", lambda *a: seen.append(a[4]) or real(*a))
+    q, kc, vc, meta = make_batch([1], [20], 8, kv_heads, 64)
+    meta.max_seq_len = max_seq_len  # as a CUDA graph captured for max_model_len sets it
+    got = decode_attention(q, kc, vc, meta, 0.125)
+    assert seen == ([want] if want > 1 else [])
+    torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, meta, 0.125))
+
+
+@pytest.mark.parametrize(
     "q_lens, field",
     [([1, 2], "max_query_len"), ([1, 1], "num_kv_splits")],
 )
