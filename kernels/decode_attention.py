@@ -199,9 +199,10 @@ def _default_num_kv_splits(
     graph (evals/batch1_critical_path.py splits=1): 16 splits for max_model_len 2048, against
     paged_attention's 4 (>= 512 keys each), save 2 us a layer at 640 keys and 5 at 1536, and
     nothing at 256; 32 cost ~0.7 us more than 16. But not where that grid would take more than
-    half the SMs: the o-projection's programs must still find room to load their weights during
-    attention. Llama-3-8B (8 KV heads x 16 = 128 programs) fell from 222 to 202 tok/s
-    (evals/h200/engine-bench-decode-splits-ab-s7-*); there paged_attention's count stays."""
+    half the SMs: Llama-3-8B (8 KV heads x 16 = 128 programs) fell from 222 to 202 tok/s
+    (evals/h200/engine-bench-decode-splits-ab-s7-*), presumably because the o-projection's
+    programs then find no room to load their weights during attention (not measured); there
+    paged_attention's count stays."""
     splits = choose_num_kv_splits(
         num_seqs, num_kv_heads, max_seq_len, device, min_keys_per_split=block_n
     )
