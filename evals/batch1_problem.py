@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from hf_paged.kernels.paged_attention import AttentionConfig, decode_config
+from hf_paged.kernels.paged_attention import (
+    AttentionConfig,
+    choose_decode_num_kv_splits,
+    decode_config,
+)
 
 from hf_paged.forward_context import AttentionMetadata
 
@@ -56,7 +60,6 @@ def from_argv(argv: list[str]) -> tuple[dict, Batch1Problem]:
 
 
 def build(layers: int, ctx: int, max_model_len: int, device: str = "cuda") -> Batch1Problem:
-    da = importlib.import_module("hf_paged.kernels.decode_attention")  # the module
     dev = torch.device(device)
     torch.manual_seed(0)
     bf = torch.bfloat16
@@ -91,7 +94,7 @@ def build(layers: int, ctx: int, max_model_len: int, device: str = "cuda") -> Ba
         positions=torch.full((1,), ctx - 1, device=dev, dtype=torch.int64),
         h0=torch.randn(1, HIDDEN, device=dev, dtype=bf),
         decode=dec,
-        splits=da._default_num_kv_splits(1, KV_HEADS, max_model_len, dec.block_n, dev),
+        splits=choose_decode_num_kv_splits(1, KV_HEADS, max_model_len, dec.block_n, dev),
         layer_count=layers,
         ctx=ctx,
         max_model_len=max_model_len,

@@ -34,11 +34,11 @@ from .paged_attention import (
     AttentionConfig,
     _accumulate_pv,
     _check_attention_args,
-    _num_sms,
     _reduce_splits,
+    _shared_launch_args,
     _softmax_step,
     _split_workspace,
-    choose_num_kv_splits,
+    choose_decode_num_kv_splits,
     decode_config,
 )
 
@@ -191,26 +191,6 @@ def _decode_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def _default_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
-) -> int:
-    """One key tile per split (at most paged_attention's 32 splits): each split's first tile is
-    read before the PDL wait, the rest after it. H200, 1.1B shape, batch 1, the whole step in a
-    graph (evals/batch1_critical_path.py splits=1): 16 splits for max_model_len 2048, against
-    paged_attention's 4 (>= 512 keys each), save 2 us a layer at 640 keys and 5 at 1536, and
-    nothing at 256; 32 cost ~0.7 us more than 16. But not where that grid would take more than
-    half the SMs: Llama-3-8B (8 KV heads x 16 = 128 programs) fell from 222 to 202 tok/s
-    (evals/h200/engine-bench-decode-splits-ab-s7-*), presumably because the o-projection's
-    programs then find no room to load their weights during attention (not measured); there
-    paged_attention's count stays."""
-    splits = choose_num_kv_splits(
-        num_seqs, num_kv_heads, max_seq_len, device, min_keys_per_split=block_n
-    )
-    if num_seqs * num_kv_heads * splits > _num_sms(device) // 2:
-        splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device)
-    return splits
-
-
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, Hq, D]: one new token per sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -238,23 +218,20 @@ def decode_attention(
         )
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
+    num_kv_heads = key_cache.shape[2]
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    cfg = config or decode_config(group, head_dim)
-    splits = num_kv_splits or _default_num_kv_splits(
+    cfg = config or decode_config(num_q_heads // num_kv_heads, head_dim)
+    splits = num_kv_splits or choose_decode_num_kv_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, cfg.block_n, query.device
     )
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    split = splits > 1
     ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_pad)
-    sliding = sliding_window is not None and sliding_window > 0
-    capped = softcap is not None and softcap > 0
-    # as in paged_attention: the interpreter multiplies bf16 dot operands as raw bits; upcast
-    upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
-    launch = {"launch_pdl": True} if pdl else {}
+    args, kwargs = _shared_launch_args(
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, scale, sliding_window,
+        softcap, cfg, pdl,
+    )  # fmt: skip
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         out,
         ws_o,
@@ -265,41 +242,9 @@ def decode_attention(
         meta.block_table,
         meta.seq_lens,
         splits,
-        float(scale),
-        float(softcap) if capped else 1.0,
-        int(sliding_window) if sliding else 0,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        meta.block_table.stride(0),
-        ws_o.stride(0),
-        ws_o.stride(1),
-        ws_o.stride(2) if split else 0,
-        ws_lse.stride(0),
-        ws_lse.stride(1),
-        QUERIES_PER_KV=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=block_size,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        SPLIT=split,
-        SLIDING=sliding,
-        SOFTCAP=capped,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
-        DOT_UPCAST=upcast,
-        PDL=pdl,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **launch,
+        *args,
+        **kwargs,
     )
-    if split:
+    if splits > 1:
         _reduce_splits(out, ws_o, ws_lse, meta, splits, head_dim, head_dim_pad, pdl)
     return out

@@ -665,6 +665,26 @@ def choose_num_kv_splits(
     return max(1, min(triton.cdiv(target, programs), by_len, _MAX_SPLITS))
 
 
+def choose_decode_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
+) -> int:
+    """decode_attention's split count: one key tile per split (at most 32 splits), since it reads
+    each split's first tile before the PDL wait and the rest after it. H200, 1.1B shape, batch
+    1, the whole step in a graph (evals/batch1_critical_path.py splits=1): 16 splits for
+    max_model_len 2048, against choose_num_kv_splits' 4 (>= 512 keys each), save 2 us a layer
+    at 640 keys and 5 at 1536, and nothing at 256; 32 cost ~0.7 us more than 16. But not where
+    that grid would take more than half the SMs: Llama-3-8B (8 KV heads x 16 = 128 programs)
+    fell from 222 to 202 tok/s (evals/h200/engine-bench-decode-splits-ab-s7-*), presumably
+    because the o-projection's programs then find no room to load their weights during
+    attention (not measured); there choose_num_kv_splits' count stays."""
+    splits = choose_num_kv_splits(
+        num_seqs, num_kv_heads, max_seq_len, device, min_keys_per_split=block_n
+    )
+    if num_seqs * num_kv_heads * splits > _num_sms(device) // 2:
+        splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device)
+    return splits
+
+
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
@@ -875,9 +895,8 @@ def _launch(
     zero_fill: bool,
     pdl: bool = False,
 ) -> None:
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
+    num_tokens, _, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
     num_seqs = meta.seq_lens.shape[0]
     if not cfg.one_tile_per_seq:
         num_splits = 1  # the reduce assumes one tile per sequence
@@ -890,13 +909,12 @@ def _launch(
     grid = (num_tile_programs + num_zero_programs, num_kv_heads, num_splits)
     if grid[0] == 0:
         return
-    sliding = sliding_window is not None and sliding_window > 0
-    capped = softcap is not None and softcap > 0
     split = num_splits > 1
     ws_o, ws_lse = _split_workspace(query, out, num_splits, head_dim_pad)
-    # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits: upcast there
-    # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
-    upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+    args, kwargs = _shared_launch_args(
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, scale,
+        sliding_window, softcap, cfg, pdl,
+    )  # fmt: skip
     _paged_attention_kernel[grid](
         out,
         ws_o,
@@ -911,6 +929,32 @@ def _launch(
         num_tokens,
         num_tile_programs,
         num_splits,
+        *args,
+        BLOCK_Q=cfg.block_q,
+        ZERO_TOKENS=_ZERO_TOKENS,
+        ONE_TILE_PER_SEQ=cfg.one_tile_per_seq,
+        Q_FILTER=q_filter,
+        SHORT_Q=short_q,
+        **kwargs,
+    )
+    if split:
+        _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, pdl)
+
+
+def _shared_launch_args(
+    query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, scale, sliding_window,
+    softcap, cfg: AttentionConfig, pdl: bool,
+):  # fmt: skip
+    """What both attention kernels (this one, decode_attention's) take alike: the positional run
+    from scale to the workspace strides, then the shared constexprs and launch options."""
+    head_dim = query.shape[2]
+    sliding = sliding_window is not None and sliding_window > 0
+    capped = softcap is not None and softcap > 0
+    split = num_splits > 1
+    # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits: upcast there
+    # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
+    upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+    args = (
         float(scale),
         float(softcap) if capped else 1.0,
         int(sliding_window) if sliding else 0,
@@ -930,17 +974,14 @@ def _launch(
         ws_o.stride(2) if split else 0,
         ws_lse.stride(0),
         ws_lse.stride(1),
-        QUERIES_PER_KV=group,
+    )
+    kwargs = dict(
+        QUERIES_PER_KV=query.shape[1] // key_cache.shape[2],
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=block_size,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        PAGE_SIZE=key_cache.shape[1],
         BLOCK_M=cfg.block_m,
-        BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n,
-        ZERO_TOKENS=_ZERO_TOKENS,
-        ONE_TILE_PER_SEQ=cfg.one_tile_per_seq,
-        Q_FILTER=q_filter,
-        SHORT_Q=short_q,
         SPLIT=split,
         SLIDING=sliding,
         SOFTCAP=capped,
@@ -950,10 +991,10 @@ def _launch(
         PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
     )
-    if split:
-        _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, pdl)
+    if pdl:
+        kwargs["launch_pdl"] = True
+    return args, kwargs
 
 
 def _split_workspace(query, out, num_splits: int, head_dim_pad: int):

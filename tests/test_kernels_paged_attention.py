@@ -452,8 +452,7 @@ def test_decode_attention_default_split_is_one_key_tile(monkeypatch, kv_heads, m
     # keys, 128 at head_dim 64), at most 32, unless that grid takes more than half the SMs
     # (8 KV heads x 16 on 132 SMs): then paged_attention's own count, >= 512 keys a split
     mod = importlib.import_module("hf_paged.kernels.decode_attention")  # the module
-    for m in (mod, pa_mod):  # an H200's 132 SMs
-        monkeypatch.setattr(m, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(pa_mod, "_num_sms", lambda device: 132)  # an H200
     seen = []
     real = mod._reduce_splits
     monkeypatch.setattr(mod, "_reduce_splits", lambda *a: seen.append(a[4]) or real(*a))
