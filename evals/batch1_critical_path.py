@@ -1,6 +1,7 @@
 """What does each kernel of the batch-1 step cost on the critical path? Ablations of one graph.
 
     python evals/batch1_critical_path.py [layers=22] [ctx=256] [max_model_len=2048] [splits=1]
+        [only=WORD]
 
 The small-batch forward's batch-1 launch sequence at the TinyLlama-1.1B shape (bf16, random
 weights, every weight distinct; per layer norm_qkv_rope, decode_attention (+ its split reduce),
@@ -9,8 +10,10 @@ one CUDA graph (evals/batch1_problem.py). With PDL the kernels overlap, so a
 kernel's own duration is not what it costs the step; this bench removes one kernel (or keeps only
 the GEMVs) and times what is left: the difference is what that kernel adds to the step. Removing a
 kernel feeds its consumer a fixed tensor of the same shape, so the values are meaningless and only
-the time is reported. splits=1 then times the whole step again with decode_attention's KV split
-count and key-tile width (BLOCK_N) swept. Median of graph replays, L2 flushed before each
+the time is reported; two variants add an empty PDL kernel a layer instead (what one more kernel
+boundary costs). splits=1 then times the whole step again with decode_attention's KV split
+count and key-tile width (BLOCK_N) swept; persistent=1 the GEMVs with persistent programs
+(fused_gemv's PROGRAMS). Median of graph replays, L2 flushed before each
 (evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s.
 """
 
@@ -24,13 +27,16 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
     sys.path.pop(0)  # evals/kernels.py must not shadow the PyPI `kernels` package
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from hf_paged.kernels import decode_attention, fused_gemv, norm_qkv_rope  # noqa: E402
+from hf_paged.kernels.fused_gemv import gdc_launch_dependents, gdc_wait  # noqa: E402
 from hf_paged.kernels.paged_attention import AttentionConfig  # noqa: E402
 
 from hf_paged.testing import load_evals  # noqa: E402
 
 load_evals()  # evals/ as the package hf_paged_evals
 P = importlib.import_module("hf_paged_evals.batch1_problem")
+DA = importlib.import_module("hf_paged.kernels.decode_attention")  # the module
 
 # what each variant leaves out of every layer (lm_head: of the step)
 VARIANTS = {
@@ -41,7 +47,19 @@ VARIANTS = {
     "no o-projection": {"o"},
     "GEMVs only (o, gate/up, down, lm_head)": {"attention", "qkv"},
     "no lm_head": {"lm_head"},
+    # the split reduce alone: decode_attention's partials go to the o-projection unreduced
+    "attention without its split reduce kernel": {"reduce"},
+    # what a kernel boundary costs: one empty PDL kernel (launch_dependents, wait) a layer
+    # after the o-projection, of 1 program and of one a SM
+    "+1 empty PDL kernel a layer (1 program)": {"+nop"},
+    "+1 empty PDL kernel a layer (a program a SM)": {"+nop", "nop_per_sm"},
 }
+
+
+@triton.jit
+def _empty_pdl_kernel():
+    gdc_launch_dependents()
+    gdc_wait()
 
 
 def main() -> None:
@@ -54,7 +72,23 @@ def main() -> None:
     def step(drop: set, attn: dict | None = None):
         attn = attn or {}
 
+        nop_grid = (torch.cuda.get_device_properties(0).multi_processor_count,)
+        if "nop_per_sm" not in drop:
+            nop_grid = (1,)
+
+        def gemv(x, w, **kw):
+            return fused_gemv(x, w, pdl=True, **kw)
+
         def fn():
+            reduce = DA._reduce_splits
+            if "reduce" in drop:
+                DA._reduce_splits = lambda *args: None  # the partials stay unreduced
+            try:
+                layers_and_head()
+            finally:
+                DA._reduce_splits = reduce
+
+        def layers_and_head():
             h, nw, inter = p.h0, p.norm_w, P.INTER
             for (qkv, o, gate_up, down), (kc, vc) in zip(p.layers, p.caches):
                 q = q0
@@ -71,14 +105,15 @@ def main() -> None:
                         config=attn.get("config"),
                     )  # fmt: skip
                 if "o" not in drop:
-                    h = fused_gemv(a.view(1, -1), o, residual=h, pdl=True)
-                act = fused_gemv(
+                    h = gemv(a.view(1, -1), o, residual=h)
+                if "+nop" in drop:
+                    _empty_pdl_kernel[nop_grid](launch_pdl=True)
+                act = gemv(
                     h, gate_up[:inter], up_weight=gate_up[inter:], norm_weight=nw, eps=1e-5,
-                    pdl=True,
                 )  # fmt: skip
-                h = fused_gemv(act, down, residual=h, pdl=True)
+                h = gemv(act, down, residual=h)
             if "lm_head" not in drop:
-                fused_gemv(h, p.lm_head, norm_weight=nw, eps=1e-5, pdl=True)
+                gemv(h, p.lm_head, norm_weight=nw, eps=1e-5)
 
         return fn
 
@@ -89,7 +124,10 @@ def main() -> None:
         flush=True,
     )
     base = None
+    only = opts.get("only")  # keep the variants whose name has this word (and the whole step)
     for name, drop in VARIANTS.items():
+        if only and name != "whole step" and only not in name:
+            continue
         t = P.timed_graph(step(drop))
         nbytes = p.weight_bytes(drop)
         base = t if base is None else base

@@ -329,6 +329,37 @@ def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = Fa
     if kernel_table:
         cuda_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         text += kernel_rows(cuda_events, steps)
+        text += timeline(cuda_events)
+    return text
+
+
+# the small-batch forward's per-layer kernels: one "layer chain" line in the timeline
+_CHAIN = ("_fused_gemv_kernel", "_norm_qkv_rope_kernel", "_decode_attention", "_reduce_splits",
+          "_paged_attention_kernel", "_merge_splits")  # fmt: skip
+
+
+def timeline(events, steps: int = 2) -> str:
+    """The last `steps` steps' GPU work in start order, the layer kernels collapsed to one line:
+    what runs outside the forward and the idle gaps between (us from the first line)."""
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    groups: list[list] = []  # [start, end, name, count]
+    for a, b, name in evs:
+        chain = name.startswith(_CHAIN)
+        if chain and groups and groups[-1][2] == "layer chain":
+            groups[-1][1] = max(groups[-1][1], b)
+            groups[-1][3] += 1
+        else:
+            groups.append([a, b, "layer chain" if chain else name, 1])
+    chains = [i for i, g in enumerate(groups) if g[2] == "layer chain"]
+    if len(chains) < steps + 1:
+        return ""
+    window = groups[chains[-steps - 1] + 1 :]
+    t0, prev = window[0][0], window[0][0]
+    text = "\n  timeline of the last steps (us): start  duration  gap-before  what"
+    for a, b, name, n in window:
+        what = f"{name} ({n} kernels)" if n > 1 else name[:80]
+        text += f"\n  {a - t0:9.1f} {b - a:9.1f} {a - prev:9.1f}  {what}"
+        prev = b
     return text
 
 

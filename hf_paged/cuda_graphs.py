@@ -22,6 +22,14 @@ static numbers, so one graph serves every context length:
   per layer. On the H200 (Llama-3-8B shape, ShareGPT lengths) mixed steps ran at ~42 ms of wall
   for ~19 ms of GPU work when launched op by op.
 
+Per step the host sends a graph's inputs in two copies: the block table rows, and everything else
+packed into one byte buffer (`_packed_layout`: token ids, their rows, positions, slots, sequence
+lengths, and for mixed graphs query starts and kept rows) laid out per graph. Each graph reads its
+inputs from views of that buffer at its own offsets, and takes a token sampled by the step before
+(asynchronous scheduling) from the runner's last_tokens on the device, inside the graph. Before
+this, a batch-1 step ran eleven copies and small kernels around its graph, ~2.5 us each with the
+gaps between them (H200 timeline, evals/engine_bench.py kernels=1).
+
 `eager=True` runs the same padded static buffers without capturing (CPU tests of the padding).
 """
 
@@ -32,6 +40,33 @@ import torch
 
 from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
 from hf_paged.host_to_device import pinned
+
+
+def _packed_layout(kind: str, tokens: int, seqs: int) -> dict[str, tuple[int, torch.dtype, int]]:
+    """A graph's packed per-step inputs: name -> (byte offset, dtype, length), 8-byte aligned."""
+    fields = [
+        ("input_ids", torch.long, tokens),  # from the host (tokens it already has)
+        ("rows", torch.long, tokens),  # InputBatch row of each token: last_tokens[row]
+        ("positions", torch.long, tokens),
+        ("slot_mapping", torch.long, tokens),
+        ("seq_lens", torch.int32, seqs),
+        ("pending", torch.bool, tokens),  # the token was sampled by the step before
+    ]
+    if kind == "mixed":
+        fields += [("keep", torch.long, seqs), ("query_start_loc", torch.int32, seqs + 1)]
+    layout, offset = {}, 0
+    for name, dtype, length in fields:
+        layout[name] = (offset, dtype, length)
+        offset += -(-length * dtype.itemsize // 8) * 8
+    return layout
+
+
+def _layout_bytes(layout: dict) -> int:
+    return max(o + -(-n * d.itemsize // 8) * 8 for o, d, n in layout.values())
+
+
+def _views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+    return {name: buf[o : o + n * d.itemsize].view(d) for name, (o, d, n) in layout.items()}
 
 
 def graph_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
@@ -70,19 +105,30 @@ class CudaGraphRunner:
         smallest = 2 if runner.compiled and runner.small_batch is None else 1
         self.buckets = graph_buckets(max(self.max_batch_size, smallest), smallest)
         self.token_buckets = token_buckets(min(cfg.max_graph_tokens, cfg.max_num_batched_tokens))
-        n = max(self.buckets[-1], self.token_buckets[-1] if self.token_buckets else 0)
         seqs = max(self.buckets[-1], self.max_num_seqs)
         dev = runner.device
         width = runner.input_batch.max_blocks_per_seq
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
-        # decode: token i is sequence i, always; mixed: rewritten each step
+        # decode: token i is sequence i, always
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
-        self.mixed_qsl = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
-        self.keep = torch.zeros(n, dtype=torch.long, device=dev)
+        self.keys = [("mixed", t) for t in self.token_buckets]
+        self.keys += [("decode", b) for b in self.buckets]
+        self.layouts = {
+            (kind, size): _packed_layout(
+                kind, size, size if kind == "decode" else self._kept_rows(size)
+            )
+            for kind, size in self.keys
+        }
+        nbytes = max(_layout_bytes(layout) for layout in self.layouts.values())
+        # every graph's packed inputs start at byte 0 of one device buffer; the host fills one
+        # of two alternating buffers (a step's copy may still be reading the other)
+        self.packed = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        pin = dev.type == "cuda"
+        self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host_done: list[torch.cuda.Event | None] = [None, None]
+        self._flip = 0
+        self.inputs = {key: _views(self.packed, layout) for key, layout in self.layouts.items()}
+        self.rows_on_device: torch.Tensor | None = None  # the last decode replay's token rows
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
@@ -95,22 +141,23 @@ class CudaGraphRunner:
         return min(tokens, self.max_num_seqs)
 
     def _context(self, kind: str, size: int) -> ForwardContext:
+        v = self.inputs[(kind, size)]
         if kind == "decode":
             meta = AttentionMetadata(
                 query_start_loc=self.decode_qsl[: size + 1],
-                seq_lens=self.seq_lens[:size],
+                seq_lens=v["seq_lens"],
                 block_table=self.block_table[:size],
-                slot_mapping=self.slot_mapping[:size],
+                slot_mapping=v["slot_mapping"],
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
             )
         else:
             seqs = self._kept_rows(size)
             meta = AttentionMetadata(
-                query_start_loc=self.mixed_qsl[: seqs + 1],
-                seq_lens=self.seq_lens[:seqs],
+                query_start_loc=v["query_start_loc"],
+                seq_lens=v["seq_lens"],
                 block_table=self.block_table[:seqs],
-                slot_mapping=self.slot_mapping[:size],
+                slot_mapping=v["slot_mapping"],
                 # the wrapper picks its launches from these two alone, so from the bucket: above
                 # the decode tile, the two-launch path (grids from token and sequence counts)
                 max_query_len=size,
@@ -120,13 +167,14 @@ class CudaGraphRunner:
         return ForwardContext(meta, self.runner.kv_caches, self.runner.backend)
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
+        v = self.inputs[(kind, size)]
+        # a token sampled by the step before is on the device only (asynchronous scheduling)
+        ids = torch.where(v["pending"], self.runner.last_tokens[v["rows"]], v["input_ids"])
         with forward_context(self._context(kind, size)):
             if kind == "decode":
-                return self.runner._forward_all(self.input_ids[:size], self.positions[:size])
+                return self.runner._forward_all(ids, v["positions"])
             rows = self._kept_rows(size)
-            logits = self.runner._forward(
-                self.input_ids[:size], self.positions[:size], self.keep[:rows]
-            )
+            logits = self.runner._forward(ids, v["positions"], v["keep"])
             if self.mixed_logits is None:  # first (largest) capture: the shared output buffer
                 self.mixed_logits = torch.empty(
                     (rows, logits.shape[-1]), dtype=logits.dtype, device=logits.device
@@ -139,12 +187,12 @@ class CudaGraphRunner:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool (mixed
         steps first: their activations are the largest). The static buffers hold padding values
         during capture (slot -1, empty sequences): nothing is written."""
-        self._reset_padding()
         if self.eager:
             return
         order = [("mixed", t) for t in reversed(self.token_buckets)]
         order += [("decode", b) for b in reversed(self.buckets)]
         for kind, size in order:
+            self._reset_padding(kind, size)
             for _ in range(2):  # warm-up: autotuning, lazy init, compilation
                 self._forward(kind, size)
             torch.cuda.synchronize(self.runner.device)
@@ -157,11 +205,11 @@ class CudaGraphRunner:
             self.outputs[(kind, size)] = out
         torch.cuda.synchronize(self.runner.device)
 
-    def _reset_padding(self) -> None:
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        self.mixed_qsl.zero_()
-        self.keep.zero_()
+    def _reset_padding(self, kind: str, size: int) -> None:
+        """Padding values everywhere: what capture runs on (nothing is written)."""
+        v = self.inputs[(kind, size)]
+        for name, t in v.items():
+            t.fill_({"slot_mapping": -1, "seq_lens": 1}.get(name, 0))
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         self.replays[kind] += 1
@@ -185,34 +233,15 @@ class CudaGraphRunner:
                 return size
         return None
 
-    def _copy_common(self, step, input_ids: torch.Tensor | None, count: int) -> None:
-        dev = self.runner.device
-        if input_ids is not None:
-            self.input_ids[:count].copy_(input_ids)
-        else:
-            self.input_ids[:count].copy_(pinned(step.input_ids, dev), non_blocking=True)
-        self.positions[:count].copy_(pinned(step.positions, dev), non_blocking=True)
-        self.slot_mapping[:count].copy_(pinned(step.slot_mapping, dev), non_blocking=True)
-        batch = len(step.rows)
-        self.seq_lens[:batch].copy_(pinned(step.seq_lens.astype(np.int32), dev), non_blocking=True)
-        table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
-        self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)
-
-    def run(self, step, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay for a decode-only step; returns logits [B, vocab] (a view of the graph output).
-        input_ids: the step's ids already on the device (asynchronous scheduling), else taken
-        from step.input_ids on the host."""
+    def run(self, step) -> torch.Tensor:
+        """Replay for a decode-only step; returns logits [B, vocab] (a view of the graph output)."""
         batch = len(step.rows)
         padded = self.bucket_for(batch)
-        self._copy_common(step, input_ids, batch)
-        if padded > batch:
-            self.slot_mapping[batch:padded].fill_(-1)
-            self.seq_lens[batch:padded].fill_(1)
+        self._send(step, "decode", padded, batch)
+        self.rows_on_device = self.inputs[("decode", padded)]["rows"][:batch]
         return self._replay("decode", padded)[:batch]
 
-    def run_mixed(
-        self, step, keep: np.ndarray, input_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def run_mixed(self, step, keep: np.ndarray) -> torch.Tensor:
         """Replay for a mixed step that token_bucket_for() fits; returns logits for the flat
         token indices `keep` (at most max_num_seqs of them), in order."""
         num_tokens = int(step.qsl[-1])
@@ -224,16 +253,46 @@ class CudaGraphRunner:
                 f"mixed step of {num_tokens} tokens, {num_seqs} sequences and {num_keep} kept "
                 f"rows does not fit a graph (token buckets up to {self.token_buckets[-1:]})"
             )
-        dev = self.runner.device
-        self._copy_common(step, input_ids, num_tokens)
-        # padding: tokens past the real ones write nothing and belong to no sequence; sequences
-        # past the real ones are empty (their query start is the end of the real tokens)
-        qsl = np.full(rows + 1, num_tokens, dtype=np.int32)
-        qsl[: num_seqs + 1] = step.qsl
-        keep_rows = np.zeros(rows, dtype=np.int64)
-        keep_rows[:num_keep] = keep
-        self.mixed_qsl[: rows + 1].copy_(pinned(qsl, dev), non_blocking=True)
-        self.keep[:rows].copy_(pinned(keep_rows, dev), non_blocking=True)
-        if padded > num_tokens:
-            self.slot_mapping[num_tokens:padded].fill_(-1)
+        self._send(step, "mixed", padded, num_tokens, keep)
         return self._replay("mixed", padded)[:num_keep]
+
+    def _host_views(self, key) -> tuple[dict[str, np.ndarray], int]:
+        self._flip ^= 1
+        done = self._host_done[self._flip]
+        if done is not None:
+            done.synchronize()  # its last copy (two steps ago) has long finished, as a rule
+        buf = self._host[self._flip]
+        views = {name: t.numpy() for name, t in _views(buf, self.layouts[key]).items()}
+        return views, _layout_bytes(self.layouts[key])
+
+    def _send(self, step, kind: str, size: int, count: int, keep=None) -> None:
+        """Fill the graph's packed inputs (padding included) on the host and send them in one
+        copy; the block table rows in a second."""
+        h, nbytes = self._host_views((kind, size))
+        batch = len(step.rows)
+        for name, values, pad in (
+            ("input_ids", step.input_ids, 0),
+            ("rows", step.row_of_token, 0),
+            ("positions", step.positions, 0),
+            # padded tokens write no K/V
+            ("slot_mapping", step.slot_mapping, -1),
+            ("pending", step.pending if step.pending is not None else False, False),
+        ):
+            h[name][:count] = values
+            h[name][count:] = pad
+        h["seq_lens"][:batch] = step.seq_lens
+        h["seq_lens"][batch:] = 1  # padded decode rows attend to one key
+        if kind == "mixed":
+            # sequences past the real ones are empty: they start at the end of the real tokens
+            h["query_start_loc"][:] = count
+            h["query_start_loc"][: batch + 1] = step.qsl
+            h["keep"][: len(keep)] = keep
+            h["keep"][len(keep) :] = 0
+        dev = self.runner.device
+        self.packed[:nbytes].copy_(self._host[self._flip][:nbytes], non_blocking=True)
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._host_done[self._flip] = event
+        table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
+        self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)

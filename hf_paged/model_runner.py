@@ -356,21 +356,21 @@ class ModelRunner:
 
         dev = self.device
         graphs = self.graphs
+        rows_t = None  # the sampled rows on the device, where a graph's inputs already hold them
         if (
             graphs is not None
             and step.decode_only
             and len(sample_rows) == num_seqs
             and num_seqs <= graphs.max_batch_size
         ):
-            ids_t = self._device_input_ids(step) if step.pending is not None else None
-            logits = graphs.run(step, ids_t)  # every row samples: logits for all, in order
+            logits = graphs.run(step)  # every row samples: logits for all, in order
+            rows_t = graphs.rows_on_device
         elif (
             graphs is not None
             and not logprob_spans  # prompt log-probs keep more rows than a graph holds
             and graphs.token_bucket_for(num_tokens) is not None
         ):
-            ids_t = self._device_input_ids(step) if step.pending is not None else None
-            logits = graphs.run_mixed(step, keep, ids_t)
+            logits = graphs.run_mixed(step, keep)
         else:
             meta = self._metadata(step)
             ids_t = self._device_input_ids(step)
@@ -396,7 +396,8 @@ class ModelRunner:
                 rows_logits = logits
             tokens_t = self.sampler(rows_logits, [requests[i] for i in sample_rows])
             if self.config.async_scheduling:  # the next step may read them before the host does
-                rows_t = to_device(step.rows[idx], dev)
+                if rows_t is None:
+                    rows_t = to_device(step.rows[idx], dev)
                 self.last_tokens.index_copy_(0, rows_t, tokens_t)
         if async_output:
             return PendingOutput(

@@ -119,9 +119,7 @@ def test_graphs_used_for_decode_steps():
         assert engine.runner.graphs.buckets[:4] == [1, 2, 4, 8]
         calls = []
         real_run = engine.runner.graphs.run
-        engine.runner.graphs.run = lambda step, ids=None: (
-            calls.append(len(step.rows)) or real_run(step, ids)
-        )
+        engine.runner.graphs.run = lambda step: calls.append(len(step.rows)) or real_run(step)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
         assert calls and all(c == 3 for c in calls)  # every decode step replayed a graph
     finally:
