@@ -140,3 +140,50 @@ def test_random_schedules_padded_graph_inputs_equal_plain(seed, tiny_model):
     got = drive_engine(engine, ops)
     assert got == want
     assert engine.runner.graphs.replays["mixed"] + engine.runner.graphs.replays["decode"] > 0
+
+
+def test_packed_graph_inputs_layout_and_padding(tiny_model):
+    # every graph's packed inputs: 8-byte aligned, non-overlapping fields inside the one buffer;
+    # per step, the real values first, then padding that writes nothing (slot -1), attends to one
+    # key (seq_len 1), takes no device token (pending False) and, for mixed graphs, starts its
+    # empty sequences at the end of the real tokens
+    from hf_paged.cuda_graphs import _layout_bytes
+
+    eng = Engine(
+        tiny_model("llama"), attention_backend="triton", block_size=8, max_num_seqs=5,
+        max_num_batched_tokens=48, max_graph_tokens=48,
+    )  # fmt: skip
+    graphs = eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
+    graphs.capture()
+    for key, layout in graphs.layouts.items():
+        spans = sorted((o, o + n * d.itemsize) for o, d, n in layout.values())
+        assert all(a % 8 == 0 for a, _ in spans), key
+        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:])), key
+        assert _layout_bytes(layout) <= graphs.packed.numel()
+    seen = []
+    real_send = graphs._send
+
+    def send(step, kind, size, count, keep=None):
+        real_send(step, kind, size, count, keep)
+        v = {k: t.clone() for k, t in graphs.inputs[(kind, size)].items()}
+        seen.append((kind, size, count, len(step.rows), step, v))
+
+    graphs._send = send
+    prompts = _prompts([30, 5, 12])
+    eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert {k for k, *_ in seen} == {"decode", "mixed"}
+    for kind, size, count, batch, step, v in seen:
+        assert v["positions"][:count].tolist() == step.positions.tolist()
+        assert v["rows"][:count].tolist() == step.row_of_token.tolist()
+        assert v["seq_lens"][:batch].tolist() == step.seq_lens.tolist()
+        assert (v["slot_mapping"][count:] == -1).all() and (v["seq_lens"][batch:] == 1).all()
+        assert not v["pending"][count:].any() and (v["input_ids"][count:] == 0).all()
+        if step.pending is not None:
+            assert v["pending"][:count].tolist() == step.pending.tolist()
+        if kind == "mixed":
+            qsl = v["query_start_loc"].tolist()
+            assert qsl[: batch + 1] == step.qsl.tolist() and set(qsl[batch + 1 :]) <= {count}
+    # asynchronous scheduling (the default): decode steps read their input from last_tokens
+    assert any(kind == "decode" and v["pending"][:count].all() for kind, _, count, _, _, v in seen)
+    eng.check_invariants()
+    eng.shutdown()
