@@ -334,8 +334,8 @@ def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = Fa
 
 
 # the small-batch forward's per-layer kernels: one "layer chain" line in the timeline
-_CHAIN = ("_fused_gemv_kernel", "_norm_qkv_rope_kernel", "_decode_attention", "_reduce_splits",
-          "_paged_attention_kernel", "_merge_splits")  # fmt: skip
+_CHAIN = ("_fused_gemv_kernel", "_norm_qkv_rope_kernel", "_rope_kv_kernel", "_decode_attention",
+          "_reduce_splits", "_paged_attention_kernel")  # fmt: skip
 
 
 def timeline(events, steps: int = 2) -> str:

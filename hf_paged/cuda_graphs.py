@@ -111,24 +111,32 @@ class CudaGraphRunner:
         self.block_table = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
         # decode: token i is sequence i, always
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
-        self.keys = [("mixed", t) for t in self.token_buckets]
-        self.keys += [("decode", b) for b in self.buckets]
+        keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
         self.layouts = {
             (kind, size): _packed_layout(
                 kind, size, size if kind == "decode" else self._kept_rows(size)
             )
-            for kind, size in self.keys
+            for kind, size in keys
         }
-        nbytes = max(_layout_bytes(layout) for layout in self.layouts.values())
+        self._nbytes = {key: _layout_bytes(layout) for key, layout in self.layouts.items()}
+        nbytes = max(self._nbytes.values())
         # every graph's packed inputs start at byte 0 of one device buffer; the host fills one
-        # of two alternating buffers (a step's copy may still be reading the other)
+        # of two alternating pinned twins (a step's copy may still be reading the other), through
+        # numpy views made once here: a step only writes values into them
         self.packed = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        self.inputs = {key: _views(self.packed, layout) for key, layout in self.layouts.items()}
         pin = dev.type == "cuda"
         self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._host_done: list[torch.cuda.Event | None] = [None, None]
+        self._host_inputs = [
+            {
+                key: {name: t.numpy() for name, t in _views(buf, layout).items()}
+                for key, layout in self.layouts.items()
+            }
+            for buf in self._host
+        ]
+        # recorded after each twin's copy: the host waits on it before refilling that twin
+        self._host_done = [torch.cuda.Event() for _ in self._host] if pin else None
         self._flip = 0
-        self.inputs = {key: _views(self.packed, layout) for key, layout in self.layouts.items()}
-        self.rows_on_device: torch.Tensor | None = None  # the last decode replay's token rows
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
@@ -238,8 +246,12 @@ class CudaGraphRunner:
         batch = len(step.rows)
         padded = self.bucket_for(batch)
         self._send(step, "decode", padded, batch)
-        self.rows_on_device = self.inputs[("decode", padded)]["rows"][:batch]
         return self._replay("decode", padded)[:batch]
+
+    def decode_rows(self, batch: int) -> torch.Tensor:
+        """The InputBatch rows of a decode step of `batch` sequences, on the device (its graph's
+        packed inputs): where run() put them, until the next step's copy."""
+        return self.inputs[("decode", self.bucket_for(batch))]["rows"][:batch]
 
     def run_mixed(self, step, keep: np.ndarray) -> torch.Tensor:
         """Replay for a mixed step that token_bucket_for() fits; returns logits for the flat
@@ -256,19 +268,14 @@ class CudaGraphRunner:
         self._send(step, "mixed", padded, num_tokens, keep)
         return self._replay("mixed", padded)[:num_keep]
 
-    def _host_views(self, key) -> tuple[dict[str, np.ndarray], int]:
-        self._flip ^= 1
-        done = self._host_done[self._flip]
-        if done is not None:
-            done.synchronize()  # its last copy (two steps ago) has long finished, as a rule
-        buf = self._host[self._flip]
-        views = {name: t.numpy() for name, t in _views(buf, self.layouts[key]).items()}
-        return views, _layout_bytes(self.layouts[key])
-
     def _send(self, step, kind: str, size: int, count: int, keep=None) -> None:
         """Fill the graph's packed inputs (padding included) on the host and send them in one
         copy; the block table rows in a second."""
-        h, nbytes = self._host_views((kind, size))
+        self._flip ^= 1
+        if self._host_done is not None:
+            self._host_done[self._flip].synchronize()  # its copy two steps ago: long finished
+        h = self._host_inputs[self._flip][(kind, size)]
+        nbytes = self._nbytes[(kind, size)]
         batch = len(step.rows)
         for name, values, pad in (
             ("input_ids", step.input_ids, 0),
@@ -290,9 +297,7 @@ class CudaGraphRunner:
             h["keep"][len(keep) :] = 0
         dev = self.runner.device
         self.packed[:nbytes].copy_(self._host[self._flip][:nbytes], non_blocking=True)
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._host_done[self._flip] = event
+        if self._host_done is not None:
+            self._host_done[self._flip].record()
         table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
         self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)

@@ -364,7 +364,7 @@ class ModelRunner:
             and num_seqs <= graphs.max_batch_size
         ):
             logits = graphs.run(step)  # every row samples: logits for all, in order
-            rows_t = graphs.rows_on_device
+            rows_t = graphs.decode_rows(num_seqs)
         elif (
             graphs is not None
             and not logprob_spans  # prompt log-probs keep more rows than a graph holds
