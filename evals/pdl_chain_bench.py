@@ -1,6 +1,6 @@
 """Does programmatic dependent launch (PDL) close the batch-1 gap? A chain of batch-1 GEMVs.
 
-    python evals/pdl_chain_bench.py
+    python evals/pdl_chain_bench.py [only=fused]
 
 At batch 1 every projection of the TinyLlama-1.1B shape is a 2-46 MB weight read, and each kernel
 pays a ramp (launch, first loads in flight) and a drain (last wave) while HBM idles: cuBLAS reads
@@ -95,6 +95,7 @@ def timed_graph(fn) -> float:
 
 
 def main() -> None:
+    opts = dict(arg.split("=") for arg in sys.argv[1:])
     dev = torch.device("cuda")
     torch.manual_seed(0)
     layers = 22
@@ -153,8 +154,9 @@ def main() -> None:
     norm_w = torch.rand(hidden, device=dev, dtype=torch.bfloat16) + 0.5
     h0 = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
 
-    def layer_chain(pdl):
+    def layer_chain(pdl, i32=True):
         def fn():
+            fg._ROWS_I32 = i32  # read at each launch; a graph keeps what it captured
             h = h0
             for qkv, o, gate_up, down in ws:
                 a = fg.fused_gemv(h, qkv, norm_weight=norm_w, eps=1e-5, pdl=pdl)
@@ -168,11 +170,25 @@ def main() -> None:
                     pdl=pdl,
                 )
                 h = fg.fused_gemv(act, down, residual=h, pdl=pdl)
+            out.copy_(h)
 
         return fn
 
-    for pdl in (False, True):
-        variants.append((f"fused_gemv layer chain, PDL {pdl}", layer_chain(pdl)))
+    out = torch.empty_like(h0)
+    layer_chain(True, False)()
+    want = out.clone()
+    layer_chain(True, True)()
+    print(f"fused_gemv, 32-bit against 64-bit weight offsets: same output {torch.equal(out, want)}")
+
+    if opts.get("only") == "fused":  # the engine's kernels, 32-bit weight offsets or not, twice
+        variants = [
+            (f"fused_gemv layer chain, PDL, 32-bit offsets {i32}", layer_chain(True, i32))
+            for _ in range(2)
+            for i32 in (False, True)
+        ]
+    else:
+        for pdl in (False, True):
+            variants.append((f"fused_gemv layer chain, PDL {pdl}", layer_chain(pdl)))
     for name, fn in variants:
         try:
             t = timed_graph(fn)

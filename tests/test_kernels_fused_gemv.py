@@ -70,6 +70,23 @@ def test_fused_gemv_gpu_tile_shapes(config, option):
     torch.testing.assert_close(got, fused_gemv_ref(x, t["w"], **kw), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("option", ["plain", "norm_gated"])
+def test_fused_gemv_weight_rows_with_a_stride(option):
+    # a column slice of a wider matrix: rows not back to back, so 64-bit offsets by the row
+    # stride (contiguous weights take 32-bit offsets with K as the stride)
+    t = _inputs(torch.float32, 3)
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(2, N, K + 8, generator=g) * 0.1
+    w, w2 = wide[0, :, :K], wide[1, :, :K]
+    assert not fg._rows_i32(w) and fg._rows_i32(t["w"])
+    kw = OPTIONS[option](t)
+    if "up_weight" in kw:
+        kw["up_weight"] = w2
+    x = t["x"][:3]
+    got = fused_gemv(x, w, config=dict(BLOCK_N=4, num_warps=4), **kw)
+    torch.testing.assert_close(got, fused_gemv_ref(x, w, **kw), atol=1e-5, rtol=1e-5)
+
+
 def test_tile_config_keeps_the_weight_tile_in_registers():
     assert fg.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4)
     assert fg.tile_config(14336, gated=False)["num_warps"] <= 16  # Llama-3-8B down_proj
