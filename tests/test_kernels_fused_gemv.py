@@ -149,17 +149,19 @@ def test_rope_write_kv_refuses_bad_inputs():
         rope_write_kv(torch.zeros(3, 8 * 12), cs[:, :12], cs[:, :12], odd, odd.clone(), slots, 4)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_qkv_rope_matches_reference(dtype, rows, bias):
+@pytest.mark.parametrize(
+    "dtype, rows, bias, strided",
+    [(dt, r, b, False) for dt in (torch.float32, torch.bfloat16) for r in (1, 3) for b in (0, 1)]
+    + [(torch.float32, 3, False, True)],  # weight rows with a stride: 64-bit offsets
+)
+def test_norm_qkv_rope_matches_reference(dtype, rows, bias, strided):
     from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
 
     g = torch.Generator().manual_seed(rows)
     hq, hkv, d = 4, 2, 16
     n = (hq + 2 * hkv) * d
     x = torch.randn(rows, K, generator=g).to(dtype)
-    w = (torch.randn(n, K, generator=g) * 0.1).to(dtype)
+    w = (torch.randn(n, K + 8 * strided, generator=g) * 0.1).to(dtype)[:, :K]
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
     angles = torch.randn(50, d // 2, generator=g)
