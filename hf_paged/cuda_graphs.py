@@ -35,6 +35,8 @@ gaps between them (H200 timeline, evals/engine_bench.py kernels=1).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import numpy as np
 import torch
 
@@ -42,8 +44,9 @@ from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_
 from hf_paged.host_to_device import pinned
 
 
-def _packed_layout(kind: str, tokens: int, seqs: int) -> dict[str, tuple[int, torch.dtype, int]]:
-    """A graph's packed per-step inputs: name -> (byte offset, dtype, length), 8-byte aligned."""
+def _packed_layout(kind: str, tokens: int, seqs: int):
+    """A graph's packed per-step inputs: (name -> (byte offset, dtype, length), total bytes),
+    every field 8-byte aligned."""
     fields = [
         ("input_ids", torch.long, tokens),  # from the host (tokens it already has)
         ("rows", torch.long, tokens),  # InputBatch row of each token: last_tokens[row]
@@ -58,11 +61,12 @@ def _packed_layout(kind: str, tokens: int, seqs: int) -> dict[str, tuple[int, to
     for name, dtype, length in fields:
         layout[name] = (offset, dtype, length)
         offset += -(-length * dtype.itemsize // 8) * 8
-    return layout
+    return layout, offset
 
 
-def _layout_bytes(layout: dict) -> int:
-    return max(o + -(-n * d.itemsize // 8) * 8 for o, d, n in layout.values())
+# what padded entries hold (capture and every step): padded tokens write no K/V (slot -1),
+# padded decode rows attend to one key; everything else 0 (no device token, keep row 0)
+_PAD = {"slot_mapping": -1, "seq_lens": 1}
 
 
 def _views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
@@ -112,13 +116,14 @@ class CudaGraphRunner:
         # decode: token i is sequence i, always
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
         keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
-        self.layouts = {
+        packed = {
             (kind, size): _packed_layout(
                 kind, size, size if kind == "decode" else self._kept_rows(size)
             )
             for kind, size in keys
         }
-        self._nbytes = {key: _layout_bytes(layout) for key, layout in self.layouts.items()}
+        self.layouts = {key: layout for key, (layout, _) in packed.items()}
+        self._nbytes = {key: nbytes for key, (_, nbytes) in packed.items()}
         nbytes = max(self._nbytes.values())
         # every graph's packed inputs start at byte 0 of one device buffer; the host fills one
         # of two alternating pinned twins (a step's copy may still be reading the other), through
@@ -217,7 +222,7 @@ class CudaGraphRunner:
         """Padding values everywhere: what capture runs on (nothing is written)."""
         v = self.inputs[(kind, size)]
         for name, t in v.items():
-            t.fill_({"slot_mapping": -1, "seq_lens": 1}.get(name, 0))
+            t.fill_(_PAD.get(name, 0))
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         self.replays[kind] += 1
@@ -229,17 +234,17 @@ class CudaGraphRunner:
     # -- per step -------------------------------------------------------------------------------
 
     def bucket_for(self, batch: int) -> int:
-        for size in self.buckets:
-            if size >= batch:
-                return size
-        raise ValueError(f"batch {batch} exceeds the largest CUDA graph ({self.max_batch_size})")
+        i = bisect_left(self.buckets, batch)  # buckets are sorted: no loop over them per step
+        if i == len(self.buckets):
+            raise ValueError(
+                f"batch {batch} exceeds the largest CUDA graph ({self.max_batch_size})"
+            )
+        return self.buckets[i]
 
     def token_bucket_for(self, num_tokens: int) -> int | None:
         """The mixed-step graph for a flat batch of num_tokens, or None (run it eagerly)."""
-        for size in self.token_buckets:
-            if size >= num_tokens:
-                return size
-        return None
+        i = bisect_left(self.token_buckets, num_tokens)
+        return self.token_buckets[i] if i < len(self.token_buckets) else None
 
     def run(self, step) -> torch.Tensor:
         """Replay for a decode-only step; returns logits [B, vocab] (a view of the graph output)."""
@@ -277,18 +282,17 @@ class CudaGraphRunner:
         h = self._host_inputs[self._flip][(kind, size)]
         nbytes = self._nbytes[(kind, size)]
         batch = len(step.rows)
-        for name, values, pad in (
-            ("input_ids", step.input_ids, 0),
-            ("rows", step.row_of_token, 0),
-            ("positions", step.positions, 0),
-            # padded tokens write no K/V
-            ("slot_mapping", step.slot_mapping, -1),
-            ("pending", step.pending if step.pending is not None else False, False),
+        for name, values in (
+            ("input_ids", step.input_ids),
+            ("rows", step.row_of_token),
+            ("positions", step.positions),
+            ("slot_mapping", step.slot_mapping),
+            ("pending", step.pending if step.pending is not None else False),
         ):
             h[name][:count] = values
-            h[name][count:] = pad
+            h[name][count:] = _PAD.get(name, 0)
         h["seq_lens"][:batch] = step.seq_lens
-        h["seq_lens"][batch:] = 1  # padded decode rows attend to one key
+        h["seq_lens"][batch:] = _PAD["seq_lens"]
         if kind == "mixed":
             # sequences past the real ones are empty: they start at the end of the real tokens
             h["query_start_loc"][:] = count

@@ -229,8 +229,8 @@ def decode_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_pad)
     args, kwargs = _shared_launch_args(
-        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, scale, sliding_window,
-        softcap, cfg, pdl,
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, head_dim_pad, scale,
+        sliding_window, softcap, cfg, pdl,
     )  # fmt: skip
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         out,

@@ -84,6 +84,17 @@ def fused_gemv_ref(
     return y
 
 
+@triton.jit
+def _weight_tile(w_ptr, stride_wn, offs_n, offs_k, mask, K: tl.constexpr, ROWS_I32: tl.constexpr):
+    # rows back to back and under 2^31 elements (ROWS_I32): 32-bit offsets with K's stride
+    # known; otherwise 64-bit offsets by the runtime row stride
+    if ROWS_I32:
+        offs = offs_n[:, None] * K + offs_k[None, :]
+    else:
+        offs = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    return tl.load(w_ptr + offs, mask, 0.0).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_gemv_kernel(
     x_ptr,
@@ -126,19 +137,9 @@ def _fused_gemv_kernel(
     n_mask = offs_n < N
     k_mask = offs_k < K
     tile_mask = n_mask[:, None] & k_mask[None, :]
-    if ROWS_I32:  # rows back to back, under 2^31 elements: 32-bit offsets, K's stride known
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], tile_mask, 0.0)
-    else:
-        w_offs = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        w = tl.load(w_ptr + w_offs, tile_mask, 0.0)
-    w = w.to(tl.float32)
+    w = _weight_tile(w_ptr, stride_wn, offs_n, offs_k, tile_mask, K, ROWS_I32)
     if GATED:
-        if ROWS_I32:
-            w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], tile_mask, 0.0)
-        else:
-            w2_offs = offs_n.to(tl.int64)[:, None] * stride_w2n + offs_k[None, :]
-            w2 = tl.load(w2_ptr + w2_offs, tile_mask, 0.0)
-        w2 = w2.to(tl.float32)
+        w2 = _weight_tile(w2_ptr, stride_w2n, offs_n, offs_k, tile_mask, K, ROWS_I32)
     if NORM:
         g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:

@@ -912,7 +912,7 @@ def _launch(
     split = num_splits > 1
     ws_o, ws_lse = _split_workspace(query, out, num_splits, head_dim_pad)
     args, kwargs = _shared_launch_args(
-        query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, scale,
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, head_dim_pad, scale,
         sliding_window, softcap, cfg, pdl,
     )  # fmt: skip
     _paged_attention_kernel[grid](
@@ -942,8 +942,8 @@ def _launch(
 
 
 def _shared_launch_args(
-    query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, scale, sliding_window,
-    softcap, cfg: AttentionConfig, pdl: bool,
+    query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, head_dim_pad, scale,
+    sliding_window, softcap, cfg: AttentionConfig, pdl: bool,
 ):  # fmt: skip
     """What both attention kernels (this one, decode_attention's) take alike: the positional run
     from scale to the workspace strides, then the shared constexprs and launch options."""
@@ -978,7 +978,7 @@ def _shared_launch_args(
     kwargs = dict(
         QUERIES_PER_KV=query.shape[1] // key_cache.shape[2],
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=head_dim_pad,
         PAGE_SIZE=key_cache.shape[1],
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
