@@ -1,7 +1,7 @@
 """What does each kernel of the batch-1 step cost on the critical path? Ablations of one graph.
 
     python evals/batch1_critical_path.py [layers=22] [ctx=256] [max_model_len=2048] [splits=1]
-        [only=WORD]
+        [wide=1] [only=WORD]
 
 The small-batch forward's batch-1 launch sequence at the TinyLlama-1.1B shape (bf16, random
 weights, every weight distinct; per layer norm_qkv_rope, decode_attention (+ its split reduce),
@@ -12,7 +12,8 @@ the GEMVs) and times what is left: the difference is what that kernel adds to th
 kernel feeds its consumer a fixed tensor of the same shape, so the values are meaningless and only
 the time is reported; two variants add an empty PDL kernel a layer instead (what one more kernel
 boundary costs). splits=1 then times the whole step again with decode_attention's KV split
-count and key-tile width (BLOCK_N) swept; persistent=1 the GEMVs with persistent programs
+count and key-tile width (BLOCK_N) swept; wide=1 with one split whose single key tile holds the
+whole context (no reduce kernel); persistent=1 the GEMVs with persistent programs
 (fused_gemv's PROGRAMS). Median of graph replays, L2 flushed before each
 (evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s.
 """
@@ -137,6 +138,21 @@ def main() -> None:
             f"{nbytes / P.HBM * 1e6:.0f} us ({nbytes / P.HBM / t:.0%})",
             flush=True,
         )
+    if opts.get("wide") == "1":
+        # no split (so no reduce kernel): the whole context one key tile, read before the wait
+        print(f"decode_attention, 1 split, one tile of BLOCK_N >= {ctx} keys:", flush=True)
+        for block_n in (256, 512, 1024):
+            if block_n < ctx:
+                continue
+            for warps in (4, 8, 16):
+                cfg = AttentionConfig(dec.block_m, dec.block_q, block_n, warps, 1, True)
+                try:
+                    t = P.timed_graph(step(set(), dict(splits=1, config=cfg)))
+                except Exception as exc:  # noqa: BLE001  (e.g. out of registers / shared memory)
+                    print(f"  BLOCK_N {block_n}, {warps} warps: {type(exc).__name__}", flush=True)
+                    continue
+                print(f"  BLOCK_N {block_n}, {warps} warps: {t * 1e6:.1f} us/step "
+                      f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
     if opts.get("splits") != "1":
         return
     print(f"decode_attention splits x BLOCK_N (default: {splits} x {dec.block_n}):", flush=True)

@@ -40,7 +40,12 @@ from bisect import bisect_left
 import numpy as np
 import torch
 
-from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    PendingTokens,
+    forward_context,
+)
 from hf_paged.host_to_device import pinned
 
 
@@ -115,6 +120,7 @@ class CudaGraphRunner:
         self.block_table = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
         # decode: token i is sequence i, always
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
+        self.decode_keep = torch.arange(seqs, device=dev)
         keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
         packed = {
             (kind, size): _packed_layout(
@@ -182,10 +188,10 @@ class CudaGraphRunner:
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         v = self.inputs[(kind, size)]
         # a token sampled by the step before is on the device only (asynchronous scheduling)
-        ids = torch.where(v["pending"], self.runner.last_tokens[v["rows"]], v["input_ids"])
+        ids = PendingTokens(v["input_ids"], v["pending"], v["rows"], self.runner.last_tokens)
         with forward_context(self._context(kind, size)):
-            if kind == "decode":
-                return self.runner._forward_all(ids, v["positions"])
+            if kind == "decode":  # every token keeps its logits row: a static arange
+                return self.runner._forward(ids, v["positions"], self.decode_keep[:size])
             rows = self._kept_rows(size)
             logits = self.runner._forward(ids, v["positions"], v["keep"])
             if self.mixed_logits is None:  # first (largest) capture: the shared output buffer

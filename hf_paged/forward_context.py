@@ -78,6 +78,22 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
+class PendingTokens:
+    """A step's input ids when some were sampled by the step before and are on the device only
+    (asynchronous scheduling): token t is last_tokens[rows[t]] where pending[t], else
+    input_ids[t]. The small-batch forward resolves them inside its embedding kernel; any other
+    forward calls resolve() first."""
+
+    input_ids: torch.Tensor  # int64 [T], from the host
+    pending: torch.Tensor  # bool [T]
+    rows: torch.Tensor  # int64 [T], InputBatch rows
+    last_tokens: torch.Tensor  # int64 [max_num_seqs], the runner's last sampled token per row
+
+    def resolve(self) -> torch.Tensor:
+        return torch.where(self.pending, self.last_tokens[self.rows], self.input_ids)
+
+
+@dataclass(slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) [N, B, Hkv, D]

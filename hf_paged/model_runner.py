@@ -21,7 +21,12 @@ from hf_paged.async_output import PendingOutput
 from hf_paged.attention import make_backend
 from hf_paged.compilation import compile_model
 from hf_paged.config import EngineConfig
-from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    PendingTokens,
+    forward_context,
+)
 from hf_paged.host_to_device import to_device
 from hf_paged.input_batch import InputBatch
 from hf_paged.kv_cache_manager import KVCacheManager
@@ -151,9 +156,13 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
-        if self.small_batch is not None and input_ids.shape[0] <= self.small_batch.max_rows:
+    def _forward(
+        self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor, keep: torch.Tensor
+    ):
+        if self.small_batch is not None and positions.shape[0] <= self.small_batch.max_rows:
             return self.small_batch(input_ids, positions, keep)  # no dynamo: Triton launches only
+        if isinstance(input_ids, PendingTokens):
+            input_ids = input_ids.resolve()
         if self.compiled and not self._compile_ok:  # the first compiled forward compiles
             try:
                 out = self._forward_impl(input_ids, positions, keep)
@@ -298,11 +307,6 @@ class ModelRunner:
             seq_lens_host=step.seq_lens.tolist() if self._host_lists else None,
             min_query_len=int(step.num_sched.min()),
         )
-
-    def _forward_all(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Forward with logits for every token (decode batches, where every token samples)."""
-        keep = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return self._forward(input_ids, positions, keep)
 
     def _device_input_ids(self, step: StepInputs) -> torch.Tensor:
         dev = self.device

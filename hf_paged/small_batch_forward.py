@@ -17,8 +17,10 @@ kernels/rope_kv.py, the paged attention kernels):
     act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
     h    = h + act @ Wd.T                       fused_gemv  RESIDUAL
 
-and the final norm with the logits rows the step keeps as one more (NORM GATHER). On Hopper the
-GEMVs and the rope/KV launch use programmatic dependent launch (see kernels/fused_gemv.py).
+and the final norm with the logits rows the step keeps as one more (NORM GATHER); before the
+layers, kernels/embedding.py resolves the step's token ids (some sampled on the device by the
+step before) and gathers their embedding rows in one launch. On Hopper the GEMVs and the
+rope/KV launch use programmatic dependent launch (see kernels/fused_gemv.py).
 
 It reads the model's own weights (nothing is copied) and its own rotary module (cos/sin for any
 rope scaling), and computes what the transformers modules compute, rounding as they round; the
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from hf_paged.compilation import decoder_layers
-from hf_paged.forward_context import get_forward_context
+from hf_paged.forward_context import PendingTokens, get_forward_context
 
 # Decoder layers that are pre-norm RMSNorm -> attention (rotate_half RoPE) -> residual ->
 # RMSNorm -> SiLU-gated MLP -> residual, with the embedding unscaled and no logit softcap.
@@ -163,12 +165,19 @@ class SmallBatchForward:
                 )
             )
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
+    def __call__(
+        self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor, keep: torch.Tensor
+    ):
         k = self.kernels
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         pdl = self.pdl
-        h = self.base.embed_tokens(input_ids)  # [T, hidden]
+        table = self.base.embed_tokens.weight
+        if isinstance(input_ids, PendingTokens):  # tokens the step before sampled: resolved here
+            t = input_ids
+            h = k.embed_tokens(table, t.input_ids, t.pending, t.rows, t.last_tokens, pdl=pdl)
+        else:
+            h = k.embed_tokens(table, input_ids, pdl=pdl)  # [T, hidden]
         tables = self.cos_table is not None
         if not tables:  # per step, from the model's rotary module
             cos, sin = self.base.rotary_emb(h[None], positions[None])

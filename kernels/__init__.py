@@ -8,7 +8,9 @@ at the first launch. For CPU tests set TRITON_INTERPRET=1 before importing (Trit
 the kernels are decorated).
 """
 
+from .argmax import argmax_rows
 from .decode_attention import decode_attention
+from .embedding import embed_tokens, embed_tokens_ref
 from .fused_gemv import fused_gemv, fused_gemv_ref
 from .kv_write import write_kv, write_kv_ref
 from .paged_attention import paged_attention, paged_attention_ref
@@ -16,7 +18,10 @@ from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
 
 __all__ = [
+    "argmax_rows",
     "decode_attention",
+    "embed_tokens",
+    "embed_tokens_ref",
     "fused_gemv",
     "fused_gemv_ref",
     "norm_qkv_rope",

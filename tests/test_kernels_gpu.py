@@ -361,3 +361,33 @@ def test_decode_attention_after_the_kernel_that_writes_the_new_token(pdl):
             torch.testing.assert_close(got.float(), ref.float(), atol=1.6e-2, rtol=2e-2)
             general = paged_attention(q, kc, vc, meta, d**-0.5, num_kv_splits=splits)
             torch.testing.assert_close(got.float(), general.float(), atol=4e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936])
+def test_argmax_rows_real_shapes(dtype, vocab):
+    from hf_paged.kernels import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    x = torch.randn(7, vocab, device="cuda", generator=g).to(dtype)
+    x[1, [5, vocab - 1]] = 100.0  # a tie across chunks: the first
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[4, 40000 % vocab] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[::2]), x[::2].argmax(dim=-1))  # rows at a stride
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096, 8192])
+def test_embed_tokens_real_shapes(hidden):
+    from hf_paged.kernels import embed_tokens, embed_tokens_ref
+
+    w = torch.randn(32000, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([0, 31999, 17, 17, 4096], device="cuda")
+    pending = torch.tensor([False, True, False, True, False], device="cuda")
+    rows = torch.tensor([0, 3, 1, 0, 2], device="cuda")
+    last = torch.tensor([11, 12, 13, 31000], device="cuda")
+    for pdl in (False, True):
+        got = embed_tokens(w, ids, pending, rows, last, pdl=pdl)
+        assert torch.equal(got, embed_tokens_ref(w, ids, pending, rows, last))
+        assert torch.equal(embed_tokens(w, ids, pdl=pdl), w[ids])
