@@ -64,6 +64,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "no base model, or lm_head is not a plain bias-free nn.Linear"
     if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
         return "embed_tokens is not an nn.Embedding"
+    if base.embed_tokens.weight.stride(-1) != 1:  # kernels/embedding.py reads whole rows
+        return "embed_tokens.weight rows are not contiguous"
     if getattr(base, "rotary_emb", None) is None or not _is_rms_norm(getattr(base, "norm", None)):
         return "no rotary_emb or final RMSNorm"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -151,6 +151,17 @@ def test_unsupported_models_run_transformers_forward(tiny_model, arch, options):
     assert got == [o.output_token_ids for o in want]
 
 
+def test_embedding_with_strided_rows_runs_transformers_forward(tiny_model):
+    # the embedding kernel reads contiguous rows: a table stored transposed is refused at start-up
+    model = tiny_model("llama")
+    table = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = torch.nn.Parameter(table.detach().t().contiguous().t())
+    eng = Engine(model, **ENGINE)
+    assert eng.runner.small_batch is None
+    assert "embed_tokens.weight rows are not contiguous" in eng.runner.small_batch_status
+    eng.shutdown()
+
+
 def test_default_runs_batch_1_and_2_fused(tiny_model):
     eng = Engine(tiny_model("llama"), **ENGINE)
     assert eng.runner.small_batch.max_rows == 2
