@@ -13,8 +13,7 @@ kernel feeds its consumer a fixed tensor of the same shape, so the values are me
 the time is reported; two variants add an empty PDL kernel a layer instead (what one more kernel
 boundary costs). splits=1 then times the whole step again with decode_attention's KV split
 count and key-tile width (BLOCK_N) swept; wide=1 with one split whose single key tile holds the
-whole context (no reduce kernel); persistent=1 the GEMVs with persistent programs
-(fused_gemv's PROGRAMS). Median of graph replays, L2 flushed before each
+whole context (no reduce kernel). Median of graph replays, L2 flushed before each
 (evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s.
 """
 

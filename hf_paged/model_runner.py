@@ -308,7 +308,7 @@ class ModelRunner:
             min_query_len=int(step.num_sched.min()),
         )
 
-    def _device_input_ids(self, step: StepInputs) -> torch.Tensor:
+    def _device_input_ids(self, step: StepInputs) -> torch.Tensor | PendingTokens:
         dev = self.device
         if step.pending is None:
             return to_device(step.input_ids, dev)
@@ -316,9 +316,9 @@ class ModelRunner:
         rows = to_device(step.row_of_token, dev)
         if step.pending.all():  # the usual decode step: every input is the last sampled token
             return self.last_tokens[rows]
-        ids = to_device(step.input_ids, dev)
+        # some of each: _forward resolves them (in the small-batch forward's embedding kernel)
         pending = to_device(step.pending, dev)
-        return torch.where(pending, self.last_tokens[rows], ids)
+        return PendingTokens(to_device(step.input_ids, dev), pending, rows, self.last_tokens)
 
     @torch.inference_mode()
     def execute(

@@ -36,7 +36,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for [rows, vocab] scores. On a GPU, kernels/argmax.py: the same index
     (first maximum, NaN as the maximum) in one pass a row; torch's reduction took 11-12 us for
     one 32,000-entry row on the H200, about 1.5% of a batch-1 step."""
-    if x.is_cuda and _TRITON_ARGMAX and x.dim() == 2 and x.shape[-1] > 0:
+    if x.is_cuda and _TRITON_ARGMAX:
+        # imported here, as elsewhere in hf_paged: Triton decides compile-or-interpret when the
+        # kernels are decorated, which must not happen at `import hf_paged`
         from hf_paged.kernels import argmax_rows
 
         return argmax_rows(x)

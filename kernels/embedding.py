@@ -80,9 +80,9 @@ def embed_tokens(
     if any(given) and not all(given):
         raise ValueError("pending, rows and last_tokens go together: pass all three or none")
     if pending is not None:
-        if pending.dtype != torch.bool or pending.shape != (t,):
-            got = f"{pending.dtype} {list(pending.shape)}"
-            raise ValueError(f"pending must be bool [{t}], got {got}")
+        if pending.dtype != torch.bool or pending.shape != (t,) or pending.stride(0) != 1:
+            got = f"{pending.dtype} {list(pending.shape)} strides {pending.stride()}"
+            raise ValueError(f"pending must be bool [{t}], contiguous, got {got}")
         _check_ids("rows", rows, t)
         _check_ids("last_tokens", last_tokens, None)
     check_launchable(weight, "weight")
@@ -119,6 +119,9 @@ def embed_tokens_ref(weight, input_ids, pending=None, rows=None, last_tokens=Non
 
 
 def _check_ids(name: str, ids: torch.Tensor, length: int | None) -> None:
-    if ids.dtype != torch.int64 or ids.dim() != 1 or (length is not None and len(ids) != length):
+    # the kernel reads entry t at ids_ptr + t
+    bad_len = length is not None and len(ids) != length
+    if ids.dtype != torch.int64 or ids.dim() != 1 or bad_len or ids.stride(0) != 1:
         want = f"int64 [{length}]" if length is not None else "a 1-d int64 tensor"
-        raise ValueError(f"{name} must be {want}, got {ids.dtype} {list(ids.shape)}")
+        got = f"{ids.dtype} {list(ids.shape)} strides {ids.stride()}"
+        raise ValueError(f"{name} must be {want}, contiguous, got {got}")

@@ -76,6 +76,15 @@ def test_embed_tokens_strided_table_rows_and_no_tokens():
             "rows must be int64",
         ),
         (dict(weight=torch.zeros(4, 6).t()), "weight must be"),
+        (dict(input_ids=torch.tensor([1, 0, 2, 0])[::2]), "input_ids must be .* contiguous"),
+        (
+            dict(
+                pending=torch.tensor([True, False, False, True])[::2],
+                rows=torch.tensor([0, 1]),
+                last_tokens=torch.tensor([3, 4]),
+            ),
+            "pending must be bool",
+        ),
     ],
 )
 def test_embed_tokens_refuses_bad_input(kwargs, match):
