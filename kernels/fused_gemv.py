@@ -175,17 +175,29 @@ _ELEMS_PER_THREAD = 64
 _MAX_WARPS = 16
 
 
-def tile_config(k: int, gated: bool) -> dict | None:
+def tile_config(k: int, gated: bool, weight_bytes: int = 0) -> dict | None:
     """BLOCK_N and warps so a program's [BLOCK_N, K] weight tile(s) fit in registers (H200,
     evals/pdl_chain_bench.py: BLOCK_N 4 at K 2048); None if even one row does not (K above
-    32768, or 16384 gated: no model the small-batch forward takes)."""
+    32768, or 16384 gated: no model the small-batch forward takes).
+
+    Where the weights are _LONG_GEMV_BYTES or more, fewer rows a program come before more warps
+    (at most 8 warps where that fits). H200, evals/read_ceiling_bench.py: a long launch streams
+    K 14336 at 4.36 TB/s with BLOCK_N 1 x 8 warps against 3.82 with 2 x 16, and K 5632 at 4.31
+    against 3.11; Llama-3-8B batch 1 (gate/up 235 MB, down 117 MB) 231 against 226 tok/s. But
+    the 1.1B shape's 23 MB down projection, a short launch between PDL waits, is slower that way
+    (1,271-1,277 against 1,300-1,304 tok/s): its wider tile stays (evals/h200/*-s11-*)."""
     k_pad = triton.next_power_of_2(k)
-    for block_n in (4, 2, 1):
-        elems = block_n * k_pad * (2 if gated else 1)
-        warps = max(4, elems // (32 * _ELEMS_PER_THREAD))
-        if warps <= _MAX_WARPS:
-            return dict(BLOCK_N=block_n, num_warps=warps)
+    caps = (_MAX_WARPS,) if weight_bytes < _LONG_GEMV_BYTES else (8, _MAX_WARPS)
+    for cap in caps:
+        for block_n in (4, 2, 1):
+            elems = block_n * k_pad * (2 if gated else 1)
+            warps = max(4, elems // (32 * _ELEMS_PER_THREAD))
+            if warps <= cap:
+                return dict(BLOCK_N=block_n, num_warps=warps)
     return None
+
+
+_LONG_GEMV_BYTES = 64 << 20
 
 
 # 32-bit weight offsets with K's stride known (ROWS_I32) where they fit; a switch for
@@ -244,7 +256,9 @@ def fused_gemv(
     y = torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = dict(config) if config is not None else tile_config(k, up_weight is not None)
+    gated = up_weight is not None
+    nbytes = n * k * weight.element_size() * (2 if gated else 1)
+    cfg = dict(config) if config is not None else tile_config(k, gated, nbytes)
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     if interpreting() and config is None:
