@@ -91,6 +91,8 @@ def test_tile_config_keeps_the_weight_tile_in_registers():
     assert fg.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4)
     assert fg.tile_config(14336, gated=False)["num_warps"] <= 16  # Llama-3-8B down_proj
     assert fg.tile_config(1 << 20, gated=True) is None
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_gemv(torch.zeros(1, 1 << 16), torch.zeros(4, 1 << 16))
 
 
 def test_tile_config_long_gemvs_take_fewer_rows_before_more_warps():
@@ -100,8 +102,6 @@ def test_tile_config_long_gemvs_take_fewer_rows_before_more_warps():
     # the 1.1B down_proj (23 MB) keeps the wider tile; a K no 8-warp tile holds still gets 16
     assert fg.tile_config(5632, False, 2048 * 5632 * 2) == dict(BLOCK_N=4, num_warps=16)
     assert fg.tile_config(18944, False, 1 << 30) == dict(BLOCK_N=1, num_warps=16)
-    with pytest.raises(ValueError, match="does not fit"):
-        fused_gemv(torch.zeros(1, 1 << 16), torch.zeros(4, 1 << 16))
 
 
 def test_fused_gemv_refuses_bad_inputs():
