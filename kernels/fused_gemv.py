@@ -173,6 +173,8 @@ def _fused_gemv_kernel(
 # Per-thread registers for the weight tile(s): at most this many elements.
 _ELEMS_PER_THREAD = 64
 _MAX_WARPS = 16
+# weights this large take at most 8 warps a program where a tile fits (tile_config says why)
+_LONG_GEMV_BYTES = 64 << 20
 
 
 def tile_config(k: int, gated: bool, weight_bytes: int = 0) -> dict | None:
@@ -195,9 +197,6 @@ def tile_config(k: int, gated: bool, weight_bytes: int = 0) -> dict | None:
             if warps <= cap:
                 return dict(BLOCK_N=block_n, num_warps=warps)
     return None
-
-
-_LONG_GEMV_BYTES = 64 << 20
 
 
 # 32-bit weight offsets with K's stride known (ROWS_I32) where they fit; a switch for
