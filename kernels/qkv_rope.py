@@ -95,10 +95,25 @@ def _norm_qkv_rope_kernel(
     if HAS_BIAS:
         b1 = tl.load(b_ptr + rows1).to(tl.float32)
         b2 = tl.load(b_ptr + rows2).to(tl.float32)
+    # Each row's position, cos / sin and cache slot are step inputs the host copied before the
+    # step's first launch, which is an ordinary one (kernels/embedding.py): nothing in this PDL
+    # chain writes them, so they are read before the wait too. Read after the GEMV, as they
+    # were, they added two dependent loads (position, then cos / sin) and a third (slot) to
+    # every layer's critical path.
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
+    cs_off = pos[:, None] * stride_cos + offs_j[None, :]  # [BLOCK_M, PAIRS]
+    cos = tl.load(cos_ptr + cs_off).to(tl.float32)
+    sin = tl.load(sin_ptr + cs_off).to(tl.float32)
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
     if PDL:
         gdc_wait()  # x comes from the previous kernel
+    # the projection's outputs of every row, in the model dtype (as f32): [BLOCK_M, PAIRS]
+    y1s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    y2s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
     for m in tl.static_range(BLOCK_M):
-        if m < M:
+        if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -107,36 +122,31 @@ def _norm_qkv_rope_kernel(
             if HAS_BIAS:
                 y1 += b1
                 y2 += b2
-            y1 = y1.to(dt).to(tl.float32)  # the projection's output, in the model dtype
-            y2 = y2.to(dt).to(tl.float32)
-            if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate (x * cos + rotate_half * sin)
-                pos = tl.load(pos_ptr + m)
-                cos = tl.load(cos_ptr + pos * stride_cos + offs_j).to(tl.float32)
-                sin = tl.load(sin_ptr + pos * stride_cos + offs_j).to(tl.float32)
-                o1, o2 = rotate_halves(y1, y2, cos, cos, sin, sin, dt)
-            else:
-                o1 = y1.to(dt)
-                o2 = y2.to(dt)
-            if head < NUM_Q_HEADS:
-                out = q_ptr + (m * NUM_Q_HEADS + head) * 2 * HALF
-                tl.store(out + offs_j, o1)
-                tl.store(out + HALF + offs_j, o2)
-            else:
-                slot = tl.load(slot_ptr + m)
-                if slot >= 0:  # -1: padding, nothing written
-                    block_id = slot // PAGE_SIZE
-                    block_off = slot % PAGE_SIZE
-                    cdt = kc_ptr.dtype.element_ty  # value_cache: the same (check_kv_cache_pair)
-                    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-                        j = head - NUM_Q_HEADS
-                        c = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s
-                        c += j * stride_kc_h
-                    else:
-                        j = head - NUM_Q_HEADS - NUM_KV_HEADS
-                        c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s
-                        c += j * stride_vc_h
-                    tl.store(c + offs_j, o1.to(cdt))
-                    tl.store(c + HALF + offs_j, o2.to(cdt))
+            row = (offs_m == m)[:, None]
+            y1s = tl.where(row, y1.to(dt).to(tl.float32)[None, :], y1s)
+            y2s = tl.where(row, y2.to(dt).to(tl.float32)[None, :], y2s)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate (x * cos + rotate_half * sin)
+        o1, o2 = rotate_halves(y1s, y2s, cos, cos, sin, sin, dt)
+    else:
+        o1 = y1s.to(dt)
+        o2 = y2s.to(dt)
+    if head < NUM_Q_HEADS:
+        out = q_ptr + ((offs_m * NUM_Q_HEADS + head) * 2 * HALF)[:, None] + offs_j[None, :]
+        tl.store(out, o1, mask=m_ok[:, None])
+        tl.store(out + HALF, o2, mask=m_ok[:, None])
+    else:
+        write = (m_ok & (slot >= 0))[:, None]  # slot -1: padding, nothing written
+        block_id = slot // PAGE_SIZE
+        block_off = slot % PAGE_SIZE
+        cdt = kc_ptr.dtype.element_ty  # value_cache: the same (check_kv_cache_pair)
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            j = head - NUM_Q_HEADS
+            c = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s + j * stride_kc_h
+        else:
+            j = head - NUM_Q_HEADS - NUM_KV_HEADS
+            c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s + j * stride_vc_h
+        tl.store(c[:, None] + offs_j[None, :], o1.to(cdt), mask=write)
+        tl.store(c[:, None] + HALF + offs_j[None, :], o2.to(cdt), mask=write)
 
 
 def qkv_rope_config(k: int, half: int) -> dict | None:
