@@ -152,6 +152,8 @@ def _fused_gemv_kernel(
                 x_row = tl.load(rows_ptr + m)
             else:
                 x_row = m
+            if RESIDUAL:  # issued with x: after the row sums it was a second round trip
+                res = tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
             x = tl.load(x_ptr + x_row * stride_xm + offs_k, mask=k_mask, other=0.0)
             x = x.to(tl.float32)
             if NORM:
@@ -165,7 +167,6 @@ def _fused_gemv_kernel(
                 act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
                 y = act * tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
             if RESIDUAL:
-                res = tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
 
