@@ -541,11 +541,15 @@ def _reduce_splits_kernel(
     # One program = one (token, query head): combine the splits' partial softmaxes.
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    # query_start_loc is a step input (the host's copy, before the step's first, ordinary
+    # launch), not the attention kernel's output: read before the wait, it is not a second
+    # round trip in front of the partials on every layer's critical path
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
         return  # unowned token: the attention kernel already wrote zeros
+    if PDL:
+        gdc_wait()  # the partials come from the attention kernel
     offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     s_mask = offs_s < num_splits
