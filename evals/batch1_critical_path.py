@@ -1,7 +1,7 @@
 """What does each kernel of the batch-1 step cost on the critical path? Ablations of one graph.
 
     python evals/batch1_critical_path.py [layers=22] [ctx=256] [max_model_len=2048] [splits=1]
-        [wide=1] [only=WORD]
+        [wide=1] [warps=1] [only=WORD]
 
 The small-batch forward's batch-1 launch sequence at the TinyLlama-1.1B shape (bf16, random
 weights, every weight distinct; per layer norm_qkv_rope, decode_attention (+ its split reduce),
@@ -13,7 +13,8 @@ kernel feeds its consumer a fixed tensor of the same shape, so the values are me
 the time is reported; two variants add an empty PDL kernel a layer instead (what one more kernel
 boundary costs). splits=1 then times the whole step again with decode_attention's KV split
 count and key-tile width (BLOCK_N) swept; wide=1 with one split whose single key tile holds the
-whole context (no reduce kernel). Median of graph replays, L2 flushed before each
+whole context (no reduce kernel); warps=1 with decode_attention's warps (4, 8) and key tile
+(64, 128) swept. Median of graph replays, L2 flushed before each
 (evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s.
 """
 
@@ -151,6 +152,18 @@ def main() -> None:
                     print(f"  BLOCK_N {block_n}, {warps} warps: {type(exc).__name__}", flush=True)
                     continue
                 print(f"  BLOCK_N {block_n}, {warps} warps: {t * 1e6:.1f} us/step "
+                      f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
+    if opts.get("warps") == "1":
+        # decode_attention compiled for sm_90 (Triton 3.6) at this shape spills at its default 4
+        # warps (255 registers, ~440-970 spill instructions); 8 warps or a 64-key tile do not
+        print("decode_attention warps x BLOCK_N (one key tile a split, as the engine):", flush=True)
+        for block_n in (64, 128):
+            n = DA.choose_decode_num_kv_splits(1, 4, max_model_len, block_n, torch.device("cuda"))
+            for warps in (4, 8):
+                cfg = AttentionConfig(dec.block_m, dec.block_q, block_n, warps, dec.num_stages,
+                                      True)  # fmt: skip
+                t = P.timed_graph(step(set(), dict(splits=n, config=cfg)))
+                print(f"  BLOCK_N {block_n} ({n} splits), {warps} warps: {t * 1e6:.1f} us/step "
                       f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
     if opts.get("splits") != "1":
         return
