@@ -146,16 +146,19 @@ def _fused_gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()  # x, rows and residual come from earlier kernels
+    # row m + 1's inputs are loaded before row m is computed: with a runtime check around each
+    # row, its loads could only start after the row before it was stored (one round trip a row)
+    x_next, r_next = _row_inputs(x_ptr, rows_ptr, r_ptr, 0, M, stride_xm, stride_rm, offs_k,
+                                 k_mask, offs_n, n_mask, GATHER, RESIDUAL)  # fmt: skip
     for m in tl.static_range(BLOCK_M):
+        x_raw, res = x_next, r_next
+        if m + 1 < BLOCK_M:
+            x_next, r_next = _row_inputs(
+                x_ptr, rows_ptr, r_ptr, m + 1, M, stride_xm, stride_rm, offs_k, k_mask, offs_n,
+                n_mask, GATHER, RESIDUAL,
+            )  # fmt: skip
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
-            if GATHER:
-                x_row = tl.load(rows_ptr + m)
-            else:
-                x_row = m
-            if RESIDUAL:  # issued with x: after the row sums it was a second round trip
-                res = tl.load(r_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
-            x = tl.load(x_ptr + x_row * stride_xm + offs_k, mask=k_mask, other=0.0)
-            x = x.to(tl.float32)
+            x = x_raw.to(tl.float32)
             if NORM:
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
                 x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -169,6 +172,32 @@ def _fused_gemv_kernel(
             if RESIDUAL:
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
+
+
+@triton.jit
+def _row_inputs(x_ptr, rows_ptr, r_ptr, m: tl.constexpr, M, stride_xm, stride_rm, offs_k, k_mask,
+                offs_n, n_mask, GATHER: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
+    # row m's x and residual (the residual with x: after the row sums it was a second round
+    # trip), as masked loads without a branch; row 0 always exists (M >= 1)
+    if m == 0:
+        x_mask = k_mask
+        r_mask = n_mask
+    else:  # (as tensors: the interpreter turns a bool tensor & a Python bool into int32)
+        x_mask = k_mask & ((offs_k * 0 + m) < M)
+        r_mask = n_mask & ((offs_n * 0 + m) < M)
+    if GATHER:
+        if m == 0:
+            x_row = tl.load(rows_ptr)
+        else:
+            x_row = tl.load(rows_ptr + m, mask=(tl.zeros([], tl.int32) + m) < M, other=0)
+    else:
+        x_row = m
+    x = tl.load(x_ptr + x_row * stride_xm + offs_k, mask=x_mask, other=0.0)
+    if RESIDUAL:
+        res = tl.load(r_ptr + m * stride_rm + offs_n, mask=r_mask, other=0.0)
+    else:
+        res = x  # unused
+    return x, res
 
 
 # Per-thread registers for the weight tile(s): at most this many elements.
