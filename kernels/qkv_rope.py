@@ -112,9 +112,16 @@ def _norm_qkv_rope_kernel(
     # the projection's outputs of every row, in the model dtype (as f32): [BLOCK_M, PAIRS]
     y1s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
     y2s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    # row m + 1's x is loaded before row m is computed (a masked load, no branch), as in
+    # fused_gemv: behind a runtime check it waited for the row before
+    x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
     for m in tl.static_range(BLOCK_M):
+        x_raw = x_next
+        if m + 1 < BLOCK_M:
+            row_ok = (offs_k * 0 + m + 1) < M  # a tensor: see fused_gemv._row_inputs
+            x_next = tl.load(x_ptr + (m + 1) * stride_xm + offs_k, mask=k_mask & row_ok, other=0.0)
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
-            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = x_raw.to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             y1 = tl.sum(w1 * x[None, :], axis=1)
