@@ -199,6 +199,18 @@ def _decode_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConfig:
+    """decode_config's tile, with 8 warps and a key tile that holds the prefetched K/V in
+    registers without spilling. Compiled for sm_90 (Triton 3.6, ptxas -v): with decode_config's
+    4 warps x 128 keys this kernel spilled, 967 spill instructions at head_dim 64 (255
+    registers) and 23 KB of spill stores at head_dim 128 (ptxas settled on 32 registers and a
+    7.9 KB stack); 8 warps x 128 keys at head_dim 64 and 8 x 64 at 128 compile to 190 / 196
+    registers and no spills. NOT measured on a GPU yet (evals/batch1_critical_path.py warps=1)."""
+    dec = decode_config(queries_per_kv, head_dim)
+    block_n = 128 if head_dim <= 64 else min(dec.block_n, 64)
+    return AttentionConfig(dec.block_m, dec.block_q, block_n, 8, dec.num_stages, True)
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, Hq, D]: one new token per sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -215,7 +227,7 @@ def decode_attention(
     """paged_attention for a batch whose every sequence has exactly one query token (token i
     is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
     num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention;
-    config (tile shape and warps, evals/ sweeps) replaces decode_config's."""
+    config (tile shape and warps, evals/ sweeps) replaces decode_attention_config's."""
     _check_attention_args(query, key_cache, value_cache, meta, None)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
@@ -230,7 +242,7 @@ def decode_attention(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    cfg = config or decode_config(num_q_heads // num_kv_heads, head_dim)
+    cfg = config or decode_attention_config(num_q_heads // num_kv_heads, head_dim)
     splits = num_kv_splits or choose_decode_num_kv_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, cfg.block_n, query.device
     )
