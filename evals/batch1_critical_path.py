@@ -154,8 +154,9 @@ def main() -> None:
                 print(f"  BLOCK_N {block_n}, {warps} warps: {t * 1e6:.1f} us/step "
                       f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
     if opts.get("warps") == "1":
-        # decode_attention compiled for sm_90 (Triton 3.6) at this shape spills at its default 4
-        # warps (255 registers, ~440-970 spill instructions); 8 warps or a 64-key tile do not
+        # decode_attention compiled for sm_90 (Triton 3.6) at this shape spills at
+        # decode_config's 4 warps (255 registers, ~440-970 spill instructions); 8 warps or a
+        # 64-key tile do not (decode_attention_config, the default, takes 8)
         print("decode_attention warps x BLOCK_N (one key tile a split, as the engine):", flush=True)
         for block_n in (64, 128):
             n = DA.choose_decode_num_kv_splits(1, 4, max_model_len, block_n, torch.device("cuda"))
