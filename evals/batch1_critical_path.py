@@ -15,7 +15,10 @@ boundary costs). splits=1 then times the whole step again with decode_attention'
 count and key-tile width (BLOCK_N) swept; wide=1 with one split whose single key tile holds the
 whole context (no reduce kernel); warps=1 with decode_attention's warps (4, 8) and key tile
 (64, 128) swept. Median of graph replays, L2 flushed before each
-(evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s.
+(evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s. Every variant is
+compared with the whole step timed just before and just after it (session 12 saw the same
+configuration drift by 25 us over one run; this interleaving was written after that run and has
+not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -124,18 +127,31 @@ def main() -> None:
         f"(its count for max_model_len {max_model_len}, as the engine's graphs use it)",
         flush=True,
     )
-    base = None
+    # The whole step is timed again after every variant, and each variant is compared with the
+    # mean of the whole-step times on either side of it: in one session-12 call the same
+    # configuration measured 694.8 us first and 719.9 us ~40 graphs later, a drift larger than
+    # most of the differences this bench is after.
+    whole_fn = step(set())
+    last_whole = [P.timed_graph(whole_fn)]
+
+    def timed_vs_whole(fn) -> tuple[float, float]:
+        t = P.timed_graph(fn)
+        after = P.timed_graph(whole_fn)
+        base = (last_whole[0] + after) / 2
+        last_whole[0] = after
+        return t, base
+
     only = opts.get("only")  # keep the variants whose name has this word (and the whole step)
     for name, drop in VARIANTS.items():
         if only and name != "whole step" and only not in name:
             continue
-        t = P.timed_graph(step(drop))
+        t, base = (last_whole[0],) * 2 if not drop else timed_vs_whole(step(drop))
         nbytes = p.weight_bytes(drop)
-        base = t if base is None else base
         print(
             f"  {name}: {t * 1e6:.1f} us/step ({(base - t) * 1e6 / layers:+.2f} us a layer "
-            f"saved vs the whole step); weights {nbytes / 1e9:.2f} GB, bound "
-            f"{nbytes / P.HBM * 1e6:.0f} us ({nbytes / P.HBM / t:.0%})",
+            f"saved vs the whole step around it, {base * 1e6:.1f}); weights "
+            f"{nbytes / 1e9:.2f} GB, bound {nbytes / P.HBM * 1e6:.0f} us "
+            f"({nbytes / P.HBM / t:.0%})",
             flush=True,
         )
     if opts.get("wide") == "1":
@@ -147,7 +163,7 @@ def main() -> None:
             for warps in (4, 8, 16):
                 cfg = AttentionConfig(dec.block_m, dec.block_q, block_n, warps, 1, True)
                 try:
-                    t = P.timed_graph(step(set(), dict(splits=1, config=cfg)))
+                    t, base = timed_vs_whole(step(set(), dict(splits=1, config=cfg)))
                 except Exception as exc:  # noqa: BLE001  (e.g. out of registers / shared memory)
                     print(f"  BLOCK_N {block_n}, {warps} warps: {type(exc).__name__}", flush=True)
                     continue
@@ -163,7 +179,7 @@ def main() -> None:
             for warps in (4, 8):
                 cfg = AttentionConfig(dec.block_m, dec.block_q, block_n, warps, dec.num_stages,
                                       True)  # fmt: skip
-                t = P.timed_graph(step(set(), dict(splits=n, config=cfg)))
+                t, base = timed_vs_whole(step(set(), dict(splits=n, config=cfg)))
                 print(f"  BLOCK_N {block_n} ({n} splits), {warps} warps: {t * 1e6:.1f} us/step "
                       f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
     if opts.get("splits") != "1":
@@ -173,7 +189,7 @@ def main() -> None:
         for n in (2, 4, 8, 16, 32):
             cfg = AttentionConfig(dec.block_m, dec.block_q, block_n, dec.num_warps,
                                   dec.num_stages, True)  # fmt: skip
-            t = P.timed_graph(step(set(), dict(splits=n, config=cfg)))
+            t, base = timed_vs_whole(step(set(), dict(splits=n, config=cfg)))
             print(f"  {n} splits x BLOCK_N {block_n}: {t * 1e6:.1f} us/step "
                   f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
 

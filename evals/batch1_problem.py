@@ -12,11 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from hf_paged.kernels.paged_attention import (
-    AttentionConfig,
-    choose_decode_num_kv_splits,
-    decode_config,
-)
+from hf_paged.kernels.decode_attention import decode_attention_config
+from hf_paged.kernels.paged_attention import AttentionConfig, choose_decode_num_kv_splits
 
 from hf_paged.forward_context import AttentionMetadata
 
@@ -82,7 +79,7 @@ def build(layers: int, ctx: int, max_model_len: int, device: str = "cuda") -> Ba
     meta = AttentionMetadata.from_lengths([1], [ctx], table)
     meta.slot_mapping.fill_(ctx - 1)
     meta.max_seq_len = max_model_len  # as the engine's decode graphs are captured
-    dec = decode_config(HEADS // KV_HEADS, HEAD_DIM)
+    dec = decode_attention_config(HEADS // KV_HEADS, HEAD_DIM)  # the engine's default tile
     return Batch1Problem(
         layers=ws,
         lm_head=w(VOCAB, HIDDEN),

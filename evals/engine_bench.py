@@ -342,24 +342,31 @@ def timeline(events, steps: int = 2) -> str:
     """The last `steps` steps' GPU work in start order, the layer kernels collapsed to one line:
     what runs outside the forward and the idle gaps between (us from the first line)."""
     evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
-    groups: list[list] = []  # [start, end, name, count]
+    groups: list[list] = []  # [start, end, name, count, the chain's kernels]
     for a, b, name in evs:
         chain = name.startswith(_CHAIN)
         if chain and groups and groups[-1][2] == "layer chain":
             groups[-1][1] = max(groups[-1][1], b)
             groups[-1][3] += 1
+            groups[-1][4].append((a, b, name))
         else:
-            groups.append([a, b, "layer chain" if chain else name, 1])
+            groups.append([a, b, "layer chain" if chain else name, 1, [(a, b, name)]])
     chains = [i for i, g in enumerate(groups) if g[2] == "layer chain"]
     if len(chains) < steps + 1:
         return ""
     window = groups[chains[-steps - 1] + 1 :]
     t0, prev = window[0][0], window[0][0]
     text = "\n  timeline of the last steps (us): start  duration  gap-before  what"
-    for a, b, name, n in window:
+    for a, b, name, n, _ in window:
         what = f"{name} ({n} kernels)" if n > 1 else name[:80]
         text += f"\n  {a - t0:9.1f} {b - a:9.1f} {a - prev:9.1f}  {what}"
         prev = b
+    # the last chain's final kernels one by one (the last layer's MLP, then lm_head): with PDL a
+    # kernel starts before the one it waits for ends, so start and duration overlap
+    last = groups[chains[-1]][4]
+    text += "\n  the last layer chain's final kernels (us): start  duration  gap-before  what"
+    for (a, b, name), (_, prev_end, _) in zip(last[-4:], last[-5:-1]):
+        text += f"\n  {a - t0:9.1f} {b - a:9.1f} {a - prev_end:9.1f}  {name[:80]}"
     return text
 
 
