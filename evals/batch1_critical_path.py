@@ -145,7 +145,10 @@ def main() -> None:
     for name, drop in VARIANTS.items():
         if only and name != "whole step" and only not in name:
             continue
-        t, base = (last_whole[0],) * 2 if not drop else timed_vs_whole(step(drop))
+        if drop:
+            t, base = timed_vs_whole(step(drop))
+        else:  # the whole step itself
+            t = base = last_whole[0]
         nbytes = p.weight_bytes(drop)
         print(
             f"  {name}: {t * 1e6:.1f} us/step ({(base - t) * 1e6 / layers:+.2f} us a layer "

@@ -209,7 +209,9 @@ def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConf
     tok/s with this tile against 1,317-1,321 with decode_config's; Llama-3-8B's 265-266 with it
     and session 12's other kernel changes against 234 before them (evals/h200/README.md)."""
     dec = decode_config(queries_per_kv, head_dim)
-    block_n = 128 if head_dim <= 64 else min(dec.block_n, 64)
+    # at most 8192 entries a K (and V) tile, whose columns are head_dim padded to a power of 2:
+    # 128 keys at head_dim 64, 64 at 80-128
+    block_n = min(dec.block_n, 8192 // triton.next_power_of_2(head_dim))
     return AttentionConfig(dec.block_m, dec.block_q, block_n, 8, dec.num_stages, True)
 
 

@@ -175,16 +175,22 @@ def _fused_gemv_kernel(
 
 
 @triton.jit
+def _row_mask(mask, offs, m: tl.constexpr, M):
+    # mask for row m of a tile's M rows (M >= 1, so row 0 needs no check); the row test as a
+    # tensor: the interpreter turns a bool tensor & a Python bool into int32
+    out = mask
+    if m != 0:
+        out = mask & ((offs * 0 + m) < M)
+    return out
+
+
+@triton.jit
 def _row_inputs(x_ptr, rows_ptr, r_ptr, m: tl.constexpr, M, stride_xm, stride_rm, offs_k, k_mask,
                 offs_n, n_mask, GATHER: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
     # row m's x and residual (the residual with x: after the row sums it was a second round
-    # trip), as masked loads without a branch; row 0 always exists (M >= 1)
-    if m == 0:
-        x_mask = k_mask
-        r_mask = n_mask
-    else:  # (as tensors: the interpreter turns a bool tensor & a Python bool into int32)
-        x_mask = k_mask & ((offs_k * 0 + m) < M)
-        r_mask = n_mask & ((offs_n * 0 + m) < M)
+    # trip), as masked loads without a branch
+    x_mask = _row_mask(k_mask, offs_k, m, M)
+    r_mask = _row_mask(n_mask, offs_n, m, M)
     if GATHER:
         if m == 0:
             x_row = tl.load(rows_ptr)

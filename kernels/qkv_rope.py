@@ -21,6 +21,7 @@ from .fused_gemv import (
     _ELEMS_PER_THREAD,
     _MAX_WARPS,
     MAX_ROWS,
+    _row_mask,
     fused_gemv_ref,
     gdc_launch_dependents,
     gdc_wait,
@@ -118,8 +119,8 @@ def _norm_qkv_rope_kernel(
     for m in tl.static_range(BLOCK_M):
         x_raw = x_next
         if m + 1 < BLOCK_M:
-            row_ok = (offs_k * 0 + m + 1) < M  # a tensor: see fused_gemv._row_inputs
-            x_next = tl.load(x_ptr + (m + 1) * stride_xm + offs_k, mask=k_mask & row_ok, other=0.0)
+            row_mask = _row_mask(k_mask, offs_k, m + 1, M)
+            x_next = tl.load(x_ptr + (m + 1) * stride_xm + offs_k, mask=row_mask, other=0.0)
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = x_raw.to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
