@@ -12,7 +12,10 @@ import torch
 
 import hf_paged
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 SHAPE = dict(
     vocab_size=32000,
