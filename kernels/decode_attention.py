@@ -29,6 +29,7 @@ import triton.language as tl
 
 from hf_paged.forward_context import AttentionMetadata
 
+from . import trace
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .paged_attention import (
     AttentionConfig,
@@ -98,7 +99,11 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr,
+    TRACE: tl.constexpr = False,  # kernels/trace.py
+    trace_ptr=None,
 ):
+    if TRACE:
+        t_start = trace.now()
     if PDL:
         gdc_launch_dependents()  # the o-projection may be scheduled and fetch its weights
     seq = tl.program_id(0).to(tl.int64)
@@ -143,6 +148,8 @@ def _decode_attention_kernel(
 
     if PDL:
         gdc_wait()  # the query and the new token's K/V come from the previous kernel
+    if TRACE:
+        t_wait = trace.now()
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = offs_m < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + offs_m
@@ -154,7 +161,6 @@ def _decode_attention_kernel(
     )
     if DOT_UPCAST:
         q = q.to(tl.float32)
-    # the new token's row, if this tile holds it, as the previous kernel wrote it
     # the new token's row, if this tile holds it, as the previous kernel wrote it: one row read
     # and broadcast into the tile (a masked re-read of the whole tile doubled its registers:
     # compiled for sm_90 at the 1.1B shape, 4 warps, 255 registers and ~970 spill instructions)
@@ -197,6 +203,9 @@ def _decode_attention_kernel(
     else:
         o_ptrs = out_ptr + seq * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if TRACE:
+        pid = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split_id
+        trace.record(trace_ptr, pid, t_start, t_wait)
 
 
 def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConfig:
@@ -268,6 +277,7 @@ def decode_attention(
         splits,
         *args,
         **kwargs,
+        **trace.take(),
     )
     if splits > 1:
         _reduce_splits(out, ws_o, ws_lse, meta, splits, head_dim, head_dim_pad, pdl)

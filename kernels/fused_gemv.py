@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import trace
 from .kv_write import check_launchable, interpreting
 
 try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
@@ -124,10 +125,14 @@ def _fused_gemv_kernel(
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
     ROWS_I32: tl.constexpr,
+    TRACE: tl.constexpr = False,  # kernels/trace.py
+    trace_ptr=None,
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
     # finishes) and before x's norm; then every row reuses the tile.
+    if TRACE:
+        t_start = trace.now()
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -146,6 +151,8 @@ def _fused_gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()  # x, rows and residual come from earlier kernels
+    if TRACE:
+        t_wait = trace.now()
     # row m + 1's inputs are loaded before row m is computed: with a runtime check around each
     # row, its loads could only start after the row before it was stored (one round trip a row)
     x_next, r_next = _row_inputs(x_ptr, rows_ptr, r_ptr, 0, M, stride_xm, stride_rm, offs_k,
@@ -172,6 +179,8 @@ def _fused_gemv_kernel(
             if RESIDUAL:
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
+    if TRACE:
+        trace.record(trace_ptr, pid, t_start, t_wait)
 
 
 @triton.jit
@@ -332,5 +341,6 @@ def fused_gemv(
         PDL=pdl,
         ROWS_I32=_ROWS_I32 and _rows_i32(weight) and (up_weight is None or _rows_i32(up_weight)),
         **cfg,
+        **trace.take(),
     )
     return y

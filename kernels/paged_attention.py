@@ -35,6 +35,7 @@ import triton.language as tl
 
 from hf_paged.forward_context import AttentionMetadata
 
+from . import trace
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .kv_write import check_kv_cache_pair, check_launchable
 
@@ -537,8 +538,12 @@ def _reduce_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
+    TRACE: tl.constexpr = False,  # kernels/trace.py
+    trace_ptr=None,
 ):
     # One program = one (token, query head): combine the splits' partial softmaxes.
+    if TRACE:
+        t_start = trace.now()
     if PDL:
         gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
@@ -550,6 +555,8 @@ def _reduce_splits_kernel(
         return  # unowned token: the attention kernel already wrote zeros
     if PDL:
         gdc_wait()  # the partials come from the attention kernel
+    if TRACE:
+        t_wait = trace.now()
     offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     s_mask = offs_s < num_splits
@@ -575,6 +582,8 @@ def _reduce_splits_kernel(
         res.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+    if TRACE:
+        trace.record(trace_ptr, tok * tl.num_programs(1) + head, t_start, t_wait)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1037,4 +1046,5 @@ def _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, 
         PDL=pdl,
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
+        **trace.take(),
     )

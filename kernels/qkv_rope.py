@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import trace
 from .fused_gemv import (
     _ELEMS_PER_THREAD,
     _MAX_WARPS,
@@ -75,7 +76,11 @@ def _norm_qkv_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
+    TRACE: tl.constexpr = False,  # kernels/trace.py
+    trace_ptr=None,
 ):
+    if TRACE:
+        t_start = trace.now()
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -110,6 +115,8 @@ def _norm_qkv_rope_kernel(
     slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
     if PDL:
         gdc_wait()  # x comes from the previous kernel
+    if TRACE:
+        t_wait = trace.now()
     # the projection's outputs of every row, in the model dtype (as f32): [BLOCK_M, PAIRS]
     y1s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
     y2s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
@@ -155,6 +162,8 @@ def _norm_qkv_rope_kernel(
             c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s + j * stride_vc_h
         tl.store(c[:, None] + offs_j[None, :], o1.to(cdt), mask=write)
         tl.store(c[:, None] + HALF + offs_j[None, :], o2.to(cdt), mask=write)
+    if TRACE:
+        trace.record(trace_ptr, pid, t_start, t_wait)
 
 
 def qkv_rope_config(k: int, half: int) -> dict | None:
@@ -252,5 +261,6 @@ def norm_qkv_rope(
         HAS_BIAS=bias is not None,
         PDL=pdl,
         **cfg,
+        **trace.take(),
     )
     return q

@@ -1,0 +1,125 @@
+"""When does each kernel of a batch-1 layer start, get past its wait, and end? Timestamps inside.
+
+    python evals/batch1_trace.py [layers=22] [ctx=384] [max_model_len=2048] [trace_layers=5,11,17]
+        [replays=20]
+
+The small-batch forward's batch-1 launch sequence at the TinyLlama-1.1B shape (bf16, random
+weights; evals/batch1_problem.py), PDL on, captured in one CUDA graph. In a few layers every
+kernel (norm_qkv_rope, decode_attention, its split reduce, the o, gate/up and down GEMVs) writes,
+per program, %globaltimer at its start, after its griddepcontrol.wait and at its end
+(kernels/trace.py). With PDL the profiler's kernel start is only the first program's; this says
+when the programs became resident (start), how long after the previous kernel's last program
+ended their wait returned, and how long the work after the wait took. All times are us
+relative to the previous kernel's last program end ("prev done"); first / median / last over
+the kernel's programs, then the median over replays and traced layers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # evals/kernels.py must not shadow the PyPI `kernels` package
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from hf_paged.kernels import decode_attention, fused_gemv, norm_qkv_rope  # noqa: E402
+
+from hf_paged.testing import load_evals  # noqa: E402
+
+load_evals()  # evals/ as the package hf_paged_evals
+P = importlib.import_module("hf_paged_evals.batch1_problem")
+trace = importlib.import_module("hf_paged.kernels.trace")
+
+KERNELS = ("norm_qkv_rope", "decode_attention", "split reduce", "o", "gate/up", "down")
+
+
+def main() -> None:
+    sizes = ("layers", "ctx", "max_model_len")
+    _, p = P.from_argv([a for a in sys.argv[1:] if a.split("=")[0] in sizes])
+    extra = dict(a.split("=") for a in sys.argv[1:])
+    traced = [int(x) for x in extra.get("trace_layers", "5,11,17").split(",")]
+    replays = int(extra.get("replays", 20))
+    hq, d = P.HEADS, P.HEAD_DIM
+    meta, inter = p.meta, P.INTER
+    # one buffer per traced kernel: 4 int64 a program (enough for the largest grid)
+    bufs = {(layer, k): torch.zeros(4 * 4096, dtype=torch.int64, device="cuda")
+            for layer in traced for k in KERNELS}  # fmt: skip
+
+    def step():
+        h, nw = p.h0, p.norm_w
+        for i, ((qkv, o, gate_up, down), (kc, vc)) in enumerate(zip(p.layers, p.caches)):
+            on = i in traced
+            if on:
+                trace.arm(*(bufs[(i, k)] for k in KERNELS))
+            q = norm_qkv_rope(
+                h, qkv, None, nw, 1e-5, p.positions, p.cos, p.sin, kc, vc, meta.slot_mapping, hq,
+                pdl=True,
+            )  # fmt: skip
+            a = decode_attention(q, kc, vc, meta, d**-0.5, pdl=True)
+            h = fused_gemv(a.view(1, -1), o, residual=h, pdl=True)
+            act = fused_gemv(h, gate_up[:inter], up_weight=gate_up[inter:], norm_weight=nw,
+                             eps=1e-5, pdl=True)  # fmt: skip
+            h = fused_gemv(act, down, residual=h, pdl=True)
+            assert not trace._armed, "a traced launch did not take its buffer"
+        fused_gemv(h, p.lm_head, norm_weight=nw, eps=1e-5, pdl=True)
+
+    for _ in range(2):  # compile
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for b in bufs.values():
+        b.zero_()
+    rows = {k: [] for k in KERNELS}  # per kernel: [prev-done-relative stats] per replay x layer
+    step_us, grain = [], []
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(replays):
+        flush.zero_()  # L2 flushed, as evals/kernels.py bench_graph does
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        step_us.append(start.elapsed_time(end) * 1e3)
+        stamps = np.unique(torch.cat([b.view(-1, 4)[:, :3].flatten() for b in bufs.values()]).cpu())
+        grain.append(np.diff(stamps[stamps > 0]).min() / 1e3)
+        for layer in traced:
+            prev_done = None
+            for k in KERNELS:
+                t = bufs[(layer, k)].view(-1, 4).cpu().numpy()
+                t = t[t[:, 2] > 0][:, :3].astype(np.float64) / 1e3  # us; programs that ran
+                if prev_done is not None:
+                    rel = t - prev_done
+                    rows[k].append([
+                        len(t), *np.percentile(rel[:, 0], [0, 50, 100]),
+                        *np.percentile(rel[:, 1], [0, 50, 100]),
+                        *np.percentile(rel[:, 2], [0, 50, 100]),
+                        np.median(rel[:, 2] - rel[:, 1]),
+                    ])  # fmt: skip
+                prev_done = t[:, 2].max()
+        for b in bufs.values():
+            b.zero_()
+    print(
+        f"{torch.cuda.get_device_name()}: TinyLlama-1.1B shape, {p.layer_count} layers + lm_head, "
+        f"batch 1, bf16, context {p.ctx}, PDL on, one CUDA graph; whole step "
+        f"{np.median(step_us):.1f} us (median of {replays} replays, L2 flushed); traced layers "
+        f"{traced}; timer step <= {np.median(grain) * 1e3:.0f} ns (the smallest difference "
+        f"between two distinct stamps)",
+        flush=True,
+    )
+    print("  us after the previous kernel's last program ended: first / median / last program")
+    print(f"  {'kernel':>17} {'progs':>5}  {'start':>20}  {'wait returns':>20}  {'end':>20}  "
+          f"{'end - wait':>10}")  # fmt: skip
+    for k in KERNELS[1:]:
+        r = np.median(np.array(rows[k]), axis=0)
+        f = lambda a, b, c: f"{a:6.2f} {b:6.2f} {c:6.2f}"  # noqa: E731
+        print(f"  {k:>17} {r[0]:5.0f}  {f(*r[1:4])}  {f(*r[4:7])}  {f(*r[7:10])}  {r[10]:10.2f}")
+    print("  (norm_qkv_rope's own row needs the down projection before it: see the next layer's)")
+
+
+if __name__ == "__main__":
+    main()
