@@ -222,7 +222,7 @@ _MAX_WARPS = 16
 _LONG_GEMV_BYTES = 64 << 20
 
 
-def tile_config(k: int, gated: bool, weight_bytes: int = 0) -> dict | None:
+def tile_config(k: int, gated: bool, weight_bytes: int = 0, itemsize: int = 2) -> dict | None:
     """BLOCK_N and warps so a program's [BLOCK_N, K] weight tile(s) fit in registers (H200,
     evals/pdl_chain_bench.py: BLOCK_N 4 at K 2048); None if even one row does not (K above
     32768, or 16384 gated: no model the small-batch forward takes).
@@ -232,7 +232,20 @@ def tile_config(k: int, gated: bool, weight_bytes: int = 0) -> dict | None:
     K 14336 at 4.36 TB/s with BLOCK_N 1 x 8 warps against 3.82 with 2 x 16, and K 5632 at 4.31
     against 3.11; Llama-3-8B batch 1 (gate/up 235 MB, down 117 MB) 231 against 226 tok/s. But
     the 1.1B shape's 23 MB down projection, a short launch between PDL waits, is slower that way
-    (1,271-1,277 against 1,300-1,304 tok/s): its wider tile stays (evals/h200/*-s11-*)."""
+    (1,271-1,277 against 1,300-1,304 tok/s): its wider tile stays (evals/h200/*-s11-*).
+
+    A short, un-gated GEMV with K in (4096, 8192] and 2-byte weights takes 8 rows x 8 warps
+    instead, so that all of it is in flight at once. Compiled for sm_90, the 1.1B down
+    projection's 4 rows x 16 warps (58 registers) runs 2 programs a SM, 88 KB of weights in
+    flight a SM, so its 512 programs come in 2 waves, and HBM idles while the first wave
+    computes and exits; 8 x 8 (128 registers, no spills) also runs 2 a SM but with 176 KB in
+    flight: its 256 programs are one wave. H200 (session 13, evals/batch1_trace.py): the down
+    projection's last program ended 9.0 us after gate/up's, 7.5 with 8 x 8; the 1.1B batch 1
+    1,347-1,354 tok/s against 1,322-1,336, interleaved in one call. (At 2-8 rows both tiles
+    run one program a SM, 88 against 44 KB in flight; fp32 weights would double the registers,
+    hence 2-byte weights only.)"""
+    if not gated and itemsize == 2 and 4096 < k <= 8192 and weight_bytes < _LONG_GEMV_BYTES:
+        return dict(BLOCK_N=8, num_warps=8)
     k_pad = triton.next_power_of_2(k)
     caps = (_MAX_WARPS,) if weight_bytes < _LONG_GEMV_BYTES else (8, _MAX_WARPS)
     for cap in caps:
@@ -302,7 +315,7 @@ def fused_gemv(
         return y
     gated = up_weight is not None
     nbytes = n * k * weight.element_size() * (2 if gated else 1)
-    cfg = dict(config) if config is not None else tile_config(k, gated, nbytes)
+    cfg = dict(config) if config is not None else tile_config(k, gated, nbytes, dtype.itemsize)
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     if interpreting() and config is None:

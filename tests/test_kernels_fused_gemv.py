@@ -99,8 +99,10 @@ def test_tile_config_long_gemvs_take_fewer_rows_before_more_warps():
     # Llama-3-8B down_proj (117 MB) and gate/up (235 MB): at most 8 warps a program
     assert fg.tile_config(14336, False, 4096 * 14336 * 2) == dict(BLOCK_N=1, num_warps=8)
     assert fg.tile_config(4096, True, 2 * 14336 * 4096 * 2) == dict(BLOCK_N=2, num_warps=8)
-    # the 1.1B down_proj (23 MB) keeps the wider tile; a K no 8-warp tile holds still gets 16
-    assert fg.tile_config(5632, False, 2048 * 5632 * 2) == dict(BLOCK_N=4, num_warps=16)
+    # the 1.1B down_proj (23 MB, bf16): 8 rows x 8 warps, one wave; in fp32 the wider tile
+    assert fg.tile_config(5632, False, 2048 * 5632 * 2) == dict(BLOCK_N=8, num_warps=8)
+    assert fg.tile_config(5632, False, 2048 * 5632 * 4, 4) == dict(BLOCK_N=4, num_warps=16)
+    # a K no 8-warp tile holds still gets 16
     assert fg.tile_config(18944, False, 1 << 30) == dict(BLOCK_N=1, num_warps=16)
 
 
