@@ -1,7 +1,7 @@
 """What does each kernel of the batch-1 step cost on the critical path? Ablations of one graph.
 
     python evals/batch1_critical_path.py [layers=22] [ctx=256] [max_model_len=2048] [splits=1]
-        [wide=1] [warps=1] [only=WORD]
+        [wide=1] [warps=1] [attn=1] [only=WORD]
 
 The small-batch forward's batch-1 launch sequence at the TinyLlama-1.1B shape (bf16, random
 weights, every weight distinct; per layer norm_qkv_rope, decode_attention (+ its split reduce),
@@ -14,11 +14,12 @@ the time is reported; two variants add an empty PDL kernel a layer instead (what
 boundary costs). splits=1 then times the whole step again with decode_attention's KV split
 count and key-tile width (BLOCK_N) swept; wide=1 with one split whose single key tile holds the
 whole context (no reduce kernel); warps=1 with decode_attention's warps (4, 8) and key tile
-(64, 128) swept. Median of graph replays, L2 flushed before each
-(evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s. Every variant is
-compared with the whole step timed just before and just after it (session 12 saw the same
-configuration drift by 25 us over one run; this interleaving was written after that run and has
-not run on a GPU yet).
+(64, 128) swept; attn=1 with smaller programs (1-8 warps, 16-128 keys, up to 128 splits;
+session 13: all slower than the default 8 x 128 x 16). Median of graph replays, L2 flushed
+before each (evals/kernels.py bench_graph); the bound is the weight bytes / 4.2 TB/s. Every
+variant is compared with the whole step timed just before and just after it (session 12 saw
+the same configuration drift by 25 us over one run; session 13's first run of this interleaving
+saw 11 us).
 """
 
 from __future__ import annotations
@@ -185,6 +186,17 @@ def main() -> None:
                 t, base = timed_vs_whole(step(set(), dict(splits=n, config=cfg)))
                 print(f"  BLOCK_N {block_n} ({n} splits), {warps} warps: {t * 1e6:.1f} us/step "
                       f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
+    if opts.get("attn") == "1":
+        # smaller programs: fewer warps (so fewer cross-warp softmax reductions through shared
+        # memory after the wait) and narrower key tiles, more splits for the reduce to combine
+        print("decode_attention warps x BLOCK_N x splits:", flush=True)
+        for warps, block_n, n in (
+            (8, 128, splits), (4, 64, 32), (2, 64, 32), (2, 32, 64), (1, 32, 64), (1, 16, 128),
+        ):  # fmt: skip
+            cfg = AttentionConfig(dec.block_m, dec.block_q, block_n, warps, dec.num_stages, True)
+            t, base = timed_vs_whole(step(set(), dict(splits=n, config=cfg)))
+            print(f"  {warps} warps x BLOCK_N {block_n} x {n} splits: {t * 1e6:.1f} us/step "
+                  f"({(base - t) * 1e6 / layers:+.2f} us a layer)", flush=True)  # fmt: skip
     if opts.get("splits") != "1":
         return
     print(f"decode_attention splits x BLOCK_N (default: {splits} x {dec.block_n}):", flush=True)

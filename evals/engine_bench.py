@@ -367,6 +367,34 @@ def timeline(events, steps: int = 2) -> str:
     text += "\n  the last layer chain's final kernels (us): start  duration  gap-before  what"
     for (a, b, name), (_, prev_end, _) in zip(last[-4:], last[-5:-1]):
         text += f"\n  {a - t0:9.1f} {b - a:9.1f} {a - prev_end:9.1f}  {name[:80]}"
+    return text + critical_path([groups[i][4] for i in chains[-steps:]])
+
+
+def _role(name: str, gemvs_since: int) -> str:
+    # the small-batch forward's kernels in a layer: norm_qkv_rope, attention (+ split reduce),
+    # then three fused_gemv launches (o, gate/up, down); one more after the last layer: lm_head
+    if name.startswith("_fused_gemv"):
+        return ("o-projection", "gate/up", "down", "lm_head")[min(gemvs_since, 3)]
+    return name.lstrip("_").removesuffix("_kernel")[:40]
+
+
+def critical_path(chains: list[list[tuple]]) -> str:
+    """What each kernel adds to the chain's critical path: its end minus the previous kernel's
+    end. With PDL a kernel starts early (its weight loads overlap the kernel before), so its
+    start and duration say little; but every kernel waits for the one before it, so ends come in
+    order and the step is the sum of these differences. Mean (min-max) over the layers."""
+    per: dict[str, list[float]] = {}
+    for chain in chains:
+        gemvs = 0
+        for (_, prev_end, _), (_, end, name) in zip(chain, chain[1:]):
+            gemvs = gemvs + 1 if name.startswith("_fused_gemv") else 0
+            per.setdefault(_role(name, gemvs - 1 if gemvs else 0), []).append(end - prev_end)
+    text = "\n  critical path of the layer chain (us, end minus the previous kernel's end):"
+    for role, d in per.items():
+        text += (
+            f"\n  {role:>24}: {sum(d) / len(d):6.2f} mean ({min(d):.2f}-{max(d):.2f}), "
+            f"{sum(d) / len(chains):7.1f} a step"
+        )
     return text
 
 
