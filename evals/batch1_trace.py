@@ -11,7 +11,9 @@ per program, %globaltimer at its start, after its griddepcontrol.wait and at its
 when the programs became resident (start), how long after the previous kernel's last program
 ended their wait returned, and how long the work after the wait took. All times are us
 relative to the previous kernel's last program end ("prev done"); first / median / last over
-the kernel's programs, then the median over replays and traced layers.
+the kernel's programs, then the median over replays and traced layers. For decode_attention's
+programs with keys, also when their query and first K/V tile had arrived and when that tile was
+computed (stamps that wait on the data: a small perturbation).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def main() -> None:
     hq, d = P.HEADS, P.HEAD_DIM
     meta, inter = p.meta, P.INTER
     # one buffer per traced kernel: 4 int64 a program (enough for the largest grid)
-    bufs = {(layer, k): torch.zeros(4 * 4096, dtype=torch.int64, device="cuda")
+    bufs = {(layer, k): torch.zeros(trace.SLOTS * 4096, dtype=torch.int64, device="cuda")
             for layer in traced for k in KERNELS}  # fmt: skip
 
     def step():
@@ -75,6 +77,7 @@ def main() -> None:
     for b in bufs.values():
         b.zero_()
     rows = {k: [] for k in KERNELS}  # per kernel: [prev-done-relative stats] per replay x layer
+    inside = []  # decode_attention's programs with keys: q, K/V, first tile done (relative)
     step_us, grain = [], []
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(replays):
@@ -85,13 +88,19 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         step_us.append(start.elapsed_time(end) * 1e3)
-        stamps = np.unique(torch.cat([b.view(-1, 4)[:, :3].flatten() for b in bufs.values()]).cpu())
+        stamps = np.unique(
+            torch.cat([b.view(-1, trace.SLOTS)[:, :3].flatten() for b in bufs.values()]).cpu()
+        )
         grain.append(np.diff(stamps[stamps > 0]).min() / 1e3)
         for layer in traced:
             prev_done = None
             for k in KERNELS:
-                t = bufs[(layer, k)].view(-1, 4).cpu().numpy()
-                t = t[t[:, 2] > 0][:, :3].astype(np.float64) / 1e3  # us; programs that ran
+                full = bufs[(layer, k)].view(-1, trace.SLOTS).cpu().numpy()
+                full = full[full[:, 2] > 0]  # programs that ran
+                t = full[:, :3].astype(np.float64) / 1e3  # us
+                if prev_done is not None and k == "decode_attention":
+                    keyed = full[full[:, 6] == 1][:, [1, 3, 4, 5, 2]].astype(np.float64) / 1e3
+                    inside.append(np.median(keyed - prev_done, axis=0))
                 if prev_done is not None:
                     rel = t - prev_done
                     rows[k].append([
@@ -119,6 +128,12 @@ def main() -> None:
         f = lambda a, b, c: f"{a:6.2f} {b:6.2f} {c:6.2f}"  # noqa: E731
         print(f"  {k:>17} {r[0]:5.0f}  {f(*r[1:4])}  {f(*r[4:7])}  {f(*r[7:10])}  {r[10]:10.2f}")
     print("  (norm_qkv_rope's own row needs the down projection before it: see the next layer's)")
+    w, q, kv, tile, end = np.median(np.array(inside), axis=0)
+    print(
+        f"  decode_attention's programs with keys (median): wait returns {w:.2f}, query in "
+        f"{q:.2f}, first tile's K/V in (or by the query) {kv:.2f}, first tile computed "
+        f"{tile:.2f}, end {end:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -150,6 +150,7 @@ def _decode_attention_kernel(
         gdc_wait()  # the query and the new token's K/V come from the previous kernel
     if TRACE:
         t_wait = trace.now()
+        pid = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split_id
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = offs_m < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + offs_m
@@ -159,6 +160,11 @@ def _decode_attention_kernel(
         mask=row_mask,
         other=0.0,
     )
+    if TRACE:
+        # when the query has arrived, then the prefetched first tile's K and V (by then, if they
+        # came first): reductions over them, TRACE only
+        trace.stamp(trace_ptr, pid, 3, trace.now_after(trace.arrived(q)))
+        trace.stamp(trace_ptr, pid, 4, trace.now_after(trace.arrived(k) + trace.arrived(v)))
     if DOT_UPCAST:
         q = q.to(tl.float32)
     # the new token's row, if this tile holds it, as the previous kernel wrote it: one row read
@@ -176,6 +182,9 @@ def _decode_attention_kernel(
             acc, l_i, m_i, q, k, v, k_ok & (k_idx >= kv_lo), scale, softcap,
             SOFTCAP, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
+    if TRACE:  # the first tile's softmax and PV done; whether this split has keys at all
+        trace.stamp(trace_ptr, pid, 5, trace.now_after(trace.arrived(l_i)))
+        trace.stamp(trace_ptr, pid, 6, (t_lo < t_hi).to(tl.int32))
     for t in range(t_lo + 1, t_hi):  # the split's further tiles: loaded after the wait
         k_idx = t * BLOCK_N + offs_n
         k_ok = k_idx < split_hi
@@ -204,7 +213,6 @@ def _decode_attention_kernel(
         o_ptrs = out_ptr + seq * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
     if TRACE:
-        pid = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split_id
         trace.record(trace_ptr, pid, t_start, t_wait)
 
 

@@ -4,8 +4,11 @@ With programmatic dependent launch a kernel starts before the one it waits for e
 profiler's start and duration do not say when its programs became resident, when their wait
 returned or when they finished. A bench arms a buffer (`arm`) before one launch; that launch's
 kernel then stores, per program, %globaltimer (ns, one clock for every SM) at its start, after
-its griddepcontrol.wait and at its end (evals/batch1_trace.py). Unarmed (always, outside that
-bench), the kernels compile exactly as without it: TRACE is a constexpr False.
+its griddepcontrol.wait and at its end (evals/batch1_trace.py); decode_attention also when its
+query and its first tile's K/V have arrived and when that tile is computed (now_after: a read
+that waits for a value made from the data, so those stamps cost a reduction each). Unarmed
+(always, outside that bench), the kernels compile exactly as without it: TRACE is a constexpr
+False (decode_attention: 190 registers for sm_90 either way, 192 traced).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ import triton.language as tl
 _armed: list[torch.Tensor] = []
 
 
+SLOTS = 8  # int64 stamps a program: start, after the wait, end, then kernel-specific ones
+
+
 def arm(*bufs: torch.Tensor) -> None:
-    """The next traced launches (one buffer each, in launch order) write [programs, 4] int64
-    (start, after the wait, end, unused) into their buffer (CUDA int64, >= 4 entries a
-    program)."""
+    """The next traced launches (one buffer each, in launch order) write [programs, SLOTS]
+    int64 (start, after the wait, end, then what the kernel adds: decode_attention's query and
+    K/V arrivals, first tile done, has keys) into their buffer (CUDA int64, >= SLOTS entries a
+    program, zeroed: a slot a kernel does not write stays 0)."""
     _armed.extend(bufs)
 
 
@@ -37,9 +44,29 @@ def now():
 
 
 @triton.jit
+def now_after(dep):
+    # %globaltimer once dep (an int32 scalar) is computed: dep is an input of the asm, so the
+    # read cannot issue before the loads dep is made from have returned
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def arrived(x):
+    # an int32 that depends on every element of x (for now_after)
+    return (tl.sum(tl.ravel(x.to(tl.float32)), 0) == 1.2345e-6).to(tl.int32)
+
+
+@triton.jit
 def record(trace_ptr, pid, t_start, t_wait):
     # one program's row: start, after the wait, end (now)
     t_end = now()
-    tl.store(trace_ptr + pid * 4, t_start)
-    tl.store(trace_ptr + pid * 4 + 1, t_wait)
-    tl.store(trace_ptr + pid * 4 + 2, t_end)
+    tl.store(trace_ptr + pid * 8, t_start)
+    tl.store(trace_ptr + pid * 8 + 1, t_wait)
+    tl.store(trace_ptr + pid * 8 + 2, t_end)
+
+
+@triton.jit
+def stamp(trace_ptr, pid, slot: tl.constexpr, value):
+    tl.store(trace_ptr + pid * 8 + slot, value.to(tl.int64))
