@@ -1,4 +1,5 @@
-"""The batch-1 step that evals/batch1_tile_sweep.py and evals/batch1_critical_path.py time.
+"""The batch-1 step that evals/batch1_tile_sweep.py, batch1_critical_path.py and batch1_trace.py
+time.
 
 TinyLlama-1.1B shape, bf16, random weights, every layer's weights distinct (1.9 GB: far over
 L2, as in the model), one sequence whose context is `ctx` keys, its KV cache paged in 16-token
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from hf_paged.kernels import decode_attention, fused_gemv, norm_qkv_rope
 from hf_paged.kernels.decode_attention import decode_attention_config
 from hf_paged.kernels.paged_attention import AttentionConfig, choose_decode_num_kv_splits
 
@@ -96,6 +98,27 @@ def build(layers: int, ctx: int, max_model_len: int, device: str = "cuda") -> Ba
         ctx=ctx,
         max_model_len=max_model_len,
     )
+
+
+def run_step(p: Batch1Problem, before_layer=None) -> None:
+    """The small-batch forward's default batch-1 launch sequence, PDL on: per layer
+    norm_qkv_rope, decode_attention (+ its split reduce), o + residual, norm + gate/up +
+    SiLU-mul, down + residual; then final norm + lm_head. before_layer(i) runs first for each
+    layer i (batch1_trace.py arms its buffers there)."""
+    h, nw = p.h0, p.norm_w
+    for i, ((qkv, o, gate_up, down), (kc, vc)) in enumerate(zip(p.layers, p.caches)):
+        if before_layer is not None:
+            before_layer(i)
+        q = norm_qkv_rope(
+            h, qkv, None, nw, 1e-5, p.positions, p.cos, p.sin, kc, vc, p.meta.slot_mapping,
+            HEADS, pdl=True,
+        )  # fmt: skip
+        a = decode_attention(q, kc, vc, p.meta, HEAD_DIM**-0.5, pdl=True)
+        h = fused_gemv(a.view(1, -1), o, residual=h, pdl=True)
+        act = fused_gemv(h, gate_up[:INTER], up_weight=gate_up[INTER:], norm_weight=nw,
+                         eps=1e-5, pdl=True)  # fmt: skip
+        h = fused_gemv(act, down, residual=h, pdl=True)
+    fused_gemv(h, p.lm_head, norm_weight=nw, eps=1e-5, pdl=True)
 
 
 def timed_graph(fn) -> float:

@@ -13,7 +13,9 @@ ended their wait returned, and how long the work after the wait took. All times 
 relative to the previous kernel's last program end ("prev done"); first / median / last over
 the kernel's programs, then the median over replays and traced layers. For decode_attention's
 programs with keys, also when their query and first K/V tile had arrived and when that tile was
-computed (stamps that wait on the data: a small perturbation).
+computed (stamps that wait on the data: a small perturbation). Tracing also raises the residual
+GEMVs' registers (o, down: fewer programs a SM than untraced, kernels/trace.py): their times
+here are at a lower occupancy than the engine's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from hf_paged.kernels import decode_attention, fused_gemv, norm_qkv_rope  # noqa: E402
 
 from hf_paged.testing import load_evals  # noqa: E402
 
@@ -44,29 +45,18 @@ def main() -> None:
     extra = dict(a.split("=") for a in sys.argv[1:])
     traced = [int(x) for x in extra.get("trace_layers", "5,11,17").split(",")]
     replays = int(extra.get("replays", 20))
-    hq, d = P.HEADS, P.HEAD_DIM
-    meta, inter = p.meta, P.INTER
-    # one buffer per traced kernel: 4 int64 a program (enough for the largest grid)
+    # one buffer per traced kernel: SLOTS int64 a program (enough for the largest grid)
     bufs = {(layer, k): torch.zeros(trace.SLOTS * 4096, dtype=torch.int64, device="cuda")
             for layer in traced for k in KERNELS}  # fmt: skip
 
+    def arm(i: int) -> None:
+        assert not trace._armed, "a traced launch did not take its buffer"
+        if i in traced:
+            trace.arm(*(bufs[(i, k)] for k in KERNELS))
+
     def step():
-        h, nw = p.h0, p.norm_w
-        for i, ((qkv, o, gate_up, down), (kc, vc)) in enumerate(zip(p.layers, p.caches)):
-            on = i in traced
-            if on:
-                trace.arm(*(bufs[(i, k)] for k in KERNELS))
-            q = norm_qkv_rope(
-                h, qkv, None, nw, 1e-5, p.positions, p.cos, p.sin, kc, vc, meta.slot_mapping, hq,
-                pdl=True,
-            )  # fmt: skip
-            a = decode_attention(q, kc, vc, meta, d**-0.5, pdl=True)
-            h = fused_gemv(a.view(1, -1), o, residual=h, pdl=True)
-            act = fused_gemv(h, gate_up[:inter], up_weight=gate_up[inter:], norm_weight=nw,
-                             eps=1e-5, pdl=True)  # fmt: skip
-            h = fused_gemv(act, down, residual=h, pdl=True)
-            assert not trace._armed, "a traced launch did not take its buffer"
-        fused_gemv(h, p.lm_head, norm_weight=nw, eps=1e-5, pdl=True)
+        P.run_step(p, arm)
+        arm(-1)  # the last traced layer's buffers were all taken
 
     for _ in range(2):  # compile
         step()

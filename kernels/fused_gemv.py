@@ -239,9 +239,9 @@ def tile_config(k: int, gated: bool, weight_bytes: int = 0, itemsize: int = 2) -
     projection's 4 rows x 16 warps (58 registers) runs 2 programs a SM, 88 KB of weights in
     flight a SM, so its 512 programs come in 2 waves, and HBM idles while the first wave
     computes and exits; 8 x 8 (128 registers, no spills) also runs 2 a SM but with 176 KB in
-    flight: its 256 programs are one wave. H200 (session 13, evals/batch1_trace.py): the down
-    projection's last program ended 9.0 us after gate/up's, 7.5 with 8 x 8; the 1.1B batch 1
-    1,347-1,354 tok/s against 1,322-1,336, interleaved in one call. (At 2-8 rows both tiles
+    flight: its 256 programs are one wave. H200 (session 13): the 1.1B batch 1 1,347-1,354
+    tok/s against 1,322-1,336, interleaved in one call; the profiler's critical path (gate/up
+    + down) 18.6 us a layer against 19.9 (evals/engine_bench.py kernels=1). (At 2-8 rows both tiles
     run one program a SM, 88 against 44 KB in flight; fp32 weights would double the registers,
     hence 2-byte weights only.)"""
     if not gated and itemsize == 2 and 4096 < k <= 8192 and weight_bytes < _LONG_GEMV_BYTES:

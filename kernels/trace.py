@@ -9,6 +9,12 @@ query and its first tile's K/V have arrived and when that tile is computed (now_
 that waits for a value made from the data, so those stamps cost a reduction each). Unarmed
 (always, outside that bench), the kernels compile exactly as without it: TRACE is a constexpr
 False (decode_attention: 190 registers for sm_90 either way, 192 traced).
+
+Tracing is not free for every kernel: compiled for sm_90, a traced fused_gemv with a residual
+takes more registers (the 1.1B down projection's 4 x 16 tile 58 -> 96, so 2 -> 1 program a SM;
+8 x 8 128 -> 223; the o-projection 48 -> 88), so traced GEMV timings are at a lower occupancy
+than the engine's. decode_attention (190 -> 192), norm_qkv_rope and gate/up (59 -> 62) barely
+change. Compare configurations untraced (evals/engine_ab.py) before trusting a traced GEMV.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-_armed: list[torch.Tensor] = []
-
-
 SLOTS = 8  # int64 stamps a program: start, after the wait, end, then kernel-specific ones
+_SLOTS = tl.constexpr(SLOTS)  # the same, as the kernels read it
+
+_armed: list[torch.Tensor] = []
 
 
 def arm(*bufs: torch.Tensor) -> None:
@@ -62,11 +68,11 @@ def arrived(x):
 def record(trace_ptr, pid, t_start, t_wait):
     # one program's row: start, after the wait, end (now)
     t_end = now()
-    tl.store(trace_ptr + pid * 8, t_start)
-    tl.store(trace_ptr + pid * 8 + 1, t_wait)
-    tl.store(trace_ptr + pid * 8 + 2, t_end)
+    tl.store(trace_ptr + pid * _SLOTS, t_start)
+    tl.store(trace_ptr + pid * _SLOTS + 1, t_wait)
+    tl.store(trace_ptr + pid * _SLOTS + 2, t_end)
 
 
 @triton.jit
 def stamp(trace_ptr, pid, slot: tl.constexpr, value):
-    tl.store(trace_ptr + pid * 8 + slot, value.to(tl.int64))
+    tl.store(trace_ptr + pid * _SLOTS + slot, value.to(tl.int64))
