@@ -8,7 +8,17 @@ static numbers, so one graph serves every context length:
 
 - Decode: a batch of B decodes is padded to the smallest bucket >= B. Padded rows write no K/V
   (slot -1) and attend to one token of block 0; their logits are dropped. The flash-decoding split
-  is sized from max_model_len.
+  is sized from max_model_len. After the logits each decode graph also takes every row's greedy
+  token (kernels/argmax.py, the kernel the sampler's argmax uses on a GPU) into a static int64
+  output, and in the same kernel writes it into the runner's last_tokens at the row's InputBatch
+  row; padded rows have row -1 and write nothing, so they cannot clobber a real row's token.
+  When every request of the step is plain greedy (Sampler.is_plain_greedy) the runner takes
+  these tokens, and neither the sampler nor its last_tokens index_copy_ runs. Why: at batch 1 on
+  the H200 those ran after the graph as the argmax (4.4 us), a 1.3 us gap, the index_copy_ (1.8
+  us) and a 2 us gap; inside the graph one kernel remains, launched with PDL behind the lm_head
+  GEMV where the small-batch forward uses PDL (expected: ~5 us a step). Any other batch goes
+  through the sampler as before, whose index_copy_ overwrites last_tokens for its rows after the
+  graph (the in-graph write is then only a wasted store).
 - Mixed (any step with a prompt chunk or a multi-token query): the flat batch of T tokens is
   padded to the smallest token bucket >= T and its sequences to min(bucket, max_num_seqs) with
   empty ones (no new tokens: their attention programs exit at once). Padded tokens belong to no
@@ -70,8 +80,12 @@ def _packed_layout(kind: str, tokens: int, seqs: int):
 
 
 # what padded entries hold (capture and every step): padded tokens write no K/V (slot -1),
-# padded decode rows attend to one key; everything else 0 (no device token, keep row 0)
-_PAD = {"slot_mapping": -1, "seq_lens": 1}
+# padded decode rows attend to one key, and padded tokens belong to no InputBatch row (-1: the
+# decode graph's greedy tokens are not written into last_tokens for them; they take no device
+# token, pending False, so the embedding kernel never reads last_tokens[-1] and
+# PendingTokens.resolve's torch gather, which wraps -1 to the last row, discards it);
+# everything else 0 (keep row 0)
+_PAD = {"slot_mapping": -1, "seq_lens": 1, "rows": -1}
 
 
 def _views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
@@ -150,6 +164,14 @@ class CudaGraphRunner:
         self._flip = 0
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        # Decode graphs take their greedy tokens inside (see the module docstring) with the
+        # sampler's GPU argmax kernel; HF_PAGED_TRITON_ARGMAX=0 (torch's argmax, for A/B
+        # measurements) leaves them to the sampler. Off the GPU the kernel needs the interpreter.
+        from hf_paged import sampler
+        from hf_paged.kernels.kv_write import interpreting
+
+        self.greedy_in_graph = sampler._TRITON_ARGMAX and (dev.type == "cuda" or interpreting())
+        self.greedy: dict[int, torch.Tensor] = {}  # decode bucket -> int64 [bucket], static
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
         self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
@@ -191,7 +213,10 @@ class CudaGraphRunner:
         ids = PendingTokens(v["input_ids"], v["pending"], v["rows"], self.runner.last_tokens)
         with forward_context(self._context(kind, size)):
             if kind == "decode":  # every token keeps its logits row: a static arange
-                return self.runner._forward(ids, v["positions"], self.decode_keep[:size])
+                logits = self.runner._forward(ids, v["positions"], self.decode_keep[:size])
+                if self.greedy_in_graph:
+                    self.greedy[size] = self._greedy(logits, v["rows"], size)
+                return logits
             rows = self._kept_rows(size)
             logits = self.runner._forward(ids, v["positions"], v["keep"])
             if self.mixed_logits is None:  # first (largest) capture: the shared output buffer
@@ -200,6 +225,16 @@ class CudaGraphRunner:
                 )
             self.mixed_logits[:rows].copy_(logits)
             return self.mixed_logits[:rows]
+
+    def _greedy(self, logits: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
+        """Each row's greedy token, also written into last_tokens[rows] (padding: row -1, no
+        write). Launched with PDL only behind the small-batch forward's PDL chain, whose lm_head
+        GEMV lets it start early; after a compiled forward there is no early trigger to use."""
+        from hf_paged.kernels import argmax_rows
+
+        sb = self.runner.small_batch
+        pdl = sb is not None and sb.pdl and size <= sb.max_rows
+        return argmax_rows(logits, scatter=(self.runner.last_tokens, rows), pdl=pdl)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -263,6 +298,15 @@ class CudaGraphRunner:
         """The InputBatch rows of a decode step of `batch` sequences, on the device (its graph's
         packed inputs): where run() put them, until the next step's copy."""
         return self.inputs[("decode", self.bucket_for(batch))]["rows"][:batch]
+
+    def greedy_tokens(self, batch: int) -> torch.Tensor | None:
+        """The greedy token of each row of the decode step run() just replayed, int64 [batch] (a
+        view of the graph's static output: the next replay overwrites it), already written into
+        the runner's last_tokens at the rows' InputBatch rows; None where the graphs do not take
+        greedy tokens (greedy_in_graph)."""
+        if not self.greedy_in_graph:
+            return None
+        return self.greedy[self.bucket_for(batch)][:batch]
 
     def run_mixed(self, step, keep: np.ndarray) -> torch.Tensor:
         """Replay for a mixed step that token_bucket_for() fits; returns logits for the flat

@@ -361,6 +361,7 @@ class ModelRunner:
         dev = self.device
         graphs = self.graphs
         rows_t = None  # the sampled rows on the device, where a graph's inputs already hold them
+        graph_tokens = None  # a decode graph's in-graph greedy tokens, already in last_tokens
         if (
             graphs is not None
             and step.decode_only
@@ -369,6 +370,7 @@ class ModelRunner:
         ):
             logits = graphs.run(step)  # every row samples: logits for all, in order
             rows_t = graphs.decode_rows(num_seqs)
+            graph_tokens = graphs.greedy_tokens(num_seqs)
         elif (
             graphs is not None
             and not logprob_spans  # prompt log-probs keep more rows than a graph holds
@@ -393,11 +395,20 @@ class ModelRunner:
 
         tokens_t = None
         idx = sample_idx
-        if sample_rows:
+        if graph_tokens is not None and self.sampler.is_plain_greedy(requests):
+            # The decode graph already took argmax(logits), what the sampler's hot path returns,
+            # and wrote it into last_tokens: no sampler launch, no index_copy_ (at batch 1 on
+            # the H200 ~9.5 us of kernels and gaps after the graph). A view of the graph's
+            # static output: the copy to the host below or PendingOutput's is queued before
+            # the next replay can overwrite it.
+            tokens_t = graph_tokens
+        elif sample_rows:
             if logprob_spans:
                 rows_logits = logits[torch.tensor(sample_keep, device=dev)]
             else:  # sampling rows are all of `keep`, in order
                 rows_logits = logits
+            # Anything else (temperature, processors, logprobs, beams, forks) samples here; after
+            # a decode graph this index_copy_ overwrites its greedy tokens in last_tokens.
             tokens_t = self.sampler(rows_logits, [requests[i] for i in sample_rows])
             if self.config.async_scheduling:  # the next step may read them before the host does
                 if rows_t is None:

@@ -181,6 +181,58 @@ def test_small_batch_forward_changes_no_greedy_output_fp32(monkeypatch):
             monkeypatch.delenv(knob)
 
 
+@pytest.mark.parametrize("lengths", [[300], [5, 40, 17]])  # batch 1; batch 3 padded to 4
+def test_in_graph_greedy_tokens_change_no_greedy_output_fp32(lengths):
+    # All-greedy decode steps take their tokens from the decode graph (argmax + last_tokens
+    # write inside it, hf_paged/cuda_graphs.py), not from the sampler: graphs on against graphs
+    # off, synchronous and asynchronous (the next input read from last_tokens), through the
+    # small-batch forward (batch 1: the argmax launched with PDL) and transformers' forward
+    # (the padded batch of 3, or small_batch_rows=0)
+    from hf_paged.sampler import Sampler
+
+    model = _model(torch.float32)
+    ids, mask = _batch(lengths, seed=8)
+    plain = _generate(model, ids, mask, **PLAIN)
+    graphs_on = {**PLAIN, "cuda_graphs": True}
+    for opts in (
+        graphs_on,
+        {**graphs_on, "async_scheduling": True},
+        {"small_batch_rows": 0},
+        {},  # every default: compile, async, fused projections, small-batch forward
+    ):
+        hf_paged.patch(model, **opts)
+        try:
+            runner = hf_paged.get_engine(model).runner
+            graphs = runner.graphs
+            assert graphs.greedy_in_graph
+            calls = {"decode": 0, "sampler after decode": 0}
+            real_run, last = graphs.run, {"decode": False}
+
+            def run(step, real_run=real_run, calls=calls, last=last):
+                calls["decode"] += 1
+                last["decode"] = True
+                return real_run(step)
+
+            class Counting(Sampler):
+                def __call__(self, logits, requests, calls=calls, last=last):
+                    calls["sampler after decode"] += last["decode"]
+                    return Sampler.__call__(self, logits, requests)
+
+            def execute(*args, real_execute=runner.execute, last=last, **kwargs):
+                last["decode"] = False  # set by this step's decode replay, if any
+                return real_execute(*args, **kwargs)
+
+            counting = Counting(runner.device)
+            counting.__dict__.update(runner.sampler.__dict__)
+            runner.sampler, graphs.run, runner.execute = counting, run, execute
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48)
+            hf_paged.get_engine(model).check_invariants()
+        finally:
+            hf_paged.unpatch(model)
+        assert torch.equal(out, plain), (lengths, opts)
+        assert calls["decode"] > 0 and calls["sampler after decode"] == 0, (opts, calls)
+
+
 def test_bf16_agreement_with_transformers_and_torch_backend():
     model = _model(torch.bfloat16)
     ids, mask = _batch(LENGTHS, seed=3)

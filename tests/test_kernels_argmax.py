@@ -79,3 +79,77 @@ def test_argmax_rows_no_rows():
 def test_argmax_rows_refuses_bad_input(x, match):
     with pytest.raises(ValueError, match=match):
         argmax_rows(x)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_argmax_rows_scatters_tokens_into_rows(chunked, request):
+    # dst[rows[i]] = token i in the same launch (the decode graph's last_tokens); every other
+    # entry of dst, and the returned tokens, as without scatter
+    if chunked:
+        request.getfixturevalue("small_chunks")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 61, generator=g)
+    want = x.argmax(dim=-1)
+    dst = torch.full((9,), -5, dtype=torch.int64)
+    rows = torch.tensor([6, 0, 8, 3])
+    got = argmax_rows(x, scatter=(dst, rows))
+    assert torch.equal(got, want)
+    expect = torch.full((9,), -5, dtype=torch.int64)
+    expect[rows] = want
+    assert torch.equal(dst, expect)
+
+
+def test_argmax_rows_scatter_skips_padding_rows():
+    # a padded graph batch: rows -1 (and any row outside dst) write nothing, so they cannot
+    # overwrite a real row's token, whatever order the programs run in
+    x = torch.zeros(5, 20)
+    x[torch.arange(5), torch.tensor([11, 4, 17, 9, 2])] = 1.0
+    dst = torch.arange(100, 106)
+    rows = torch.tensor([2, 0, -1, -1, 6])  # 6: one past the end of dst
+    got = argmax_rows(x, scatter=(dst, rows))
+    assert got.tolist() == [11, 4, 17, 9, 2]
+    assert dst.tolist() == [4, 101, 11, 103, 104, 105]
+
+
+def test_argmax_rows_scatter_strided_rows_and_no_rows():
+    wide = torch.randn(6, 90, generator=torch.Generator().manual_seed(3))
+    x = wide[::2, 5:80]
+    dst = torch.zeros(3, dtype=torch.int64)
+    argmax_rows(x, scatter=(dst, torch.tensor([2, 1, 0])))
+    assert dst.tolist() == x.argmax(dim=-1).flip(0).tolist()
+    untouched = torch.zeros(3, dtype=torch.int64)
+    argmax_rows(torch.empty(0, 10), scatter=(untouched, torch.empty(0, dtype=torch.int64)))
+    assert not untouched.any()
+
+
+def test_argmax_rows_pdl_off_the_gpu_is_a_plain_launch():
+    # pdl=True where programmatic dependent launch is unavailable (CPU, the interpreter):
+    # launched as usual, same answer
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    dst = torch.zeros(3, dtype=torch.int64)
+    assert torch.equal(argmax_rows(x, scatter=(dst, torch.arange(3)), pdl=True), x.argmax(-1))
+    assert torch.equal(dst, x.argmax(-1))
+
+
+_X = torch.randn(3, 10)
+_I = torch.zeros(3, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("scatter", "match"),
+    [
+        ((torch.zeros(4, dtype=torch.int32), _I), r"dst must be int64 1-d, got torch.int32"),
+        ((torch.zeros(2, 4, dtype=torch.int64), _I), r"dst must be int64 1-d"),
+        ((torch.zeros(8, dtype=torch.int64)[::2], _I), "dst must be contiguous"),
+        ((torch.zeros(4, dtype=torch.int64), _I[:2]), r"rows must be int64 \[3\], got .* \[2\]"),
+        ((torch.zeros(4, dtype=torch.int64), _I.int()), r"rows must be int64 \[3\]"),
+        ((torch.zeros(4, dtype=torch.int64), [0, 1, 2]), "rows must be a tensor"),
+        ((torch.zeros(4, dtype=torch.int64),), r"scatter must be a pair \(dst, rows\)"),
+    ],
+)
+def test_argmax_rows_refuses_bad_scatter(scatter, match):
+    dst = scatter[0]
+    before = dst.clone()
+    with pytest.raises(ValueError, match=match):
+        argmax_rows(_X, scatter=scatter)
+    assert torch.equal(dst, before)

@@ -1,0 +1,177 @@
+"""The decode graph's in-graph greedy tokens (hf_paged/cuda_graphs.py, kernels/argmax.py's
+scatter), run without capture (CudaGraphRunner(eager=True)) on the CPU with the Triton kernels
+interpreted: an all-greedy decode batch takes its tokens from the graph and skips the sampler;
+any other batch still samples; padded rows never write into last_tokens. Replay itself, batch 1
+and a padded batch, fp32 against graphs off: tests/test_gpu_engine.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import Engine, SamplingParams
+from hf_paged import sampler as sampler_mod
+from hf_paged.cuda_graphs import CudaGraphRunner
+from hf_paged.sampler import Sampler
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+class _Watch:
+    """Counts, per decode replay, whether the sampler ran after it."""
+
+    def __init__(self, eng):
+        self.decode_steps = 0
+        self.pending_decode_steps = 0  # inputs read from last_tokens (asynchronous scheduling)
+        self.sampled_after_decode = 0
+        self.sampled = 0
+        self._in_decode = False
+        graphs, runner = eng.runner.graphs, eng.runner
+        real_run, real_sampler = graphs.run, runner.sampler
+        watch = self
+
+        def run(step):
+            watch.decode_steps += 1
+            watch.pending_decode_steps += step.pending is not None and bool(step.pending.all())
+            watch._in_decode = True
+            return real_run(step)
+
+        class Counting(Sampler):
+            def __call__(self, logits, requests):
+                watch.sampled += 1
+                watch.sampled_after_decode += watch._in_decode
+                return Sampler.__call__(self, logits, requests)
+
+        counting = Counting(runner.device)
+        counting.__dict__.update(real_sampler.__dict__)
+        runner.sampler = counting
+        graphs.run = run
+        real_execute = runner.execute
+
+        def execute(*args, **kwargs):
+            watch._in_decode = False
+            return real_execute(*args, **kwargs)
+
+        runner.execute = execute
+
+
+def _engine(model, graphs: bool, **opts):
+    eng = Engine(model, attention_backend="triton", block_size=8, **opts)
+    if graphs:
+        eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
+        eng.runner.graphs.capture()
+    return eng
+
+
+def _generate(model, prompts, params, graphs: bool, **opts):
+    eng = _engine(model, graphs, **opts)
+    watch = _Watch(eng) if graphs else None
+    outs = eng.generate(prompts, params)
+    eng.check_invariants()
+    eng.shutdown()
+    return outs, watch
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("lengths", [[9], [9, 20, 4]])  # batch 1; batch 3 padded to 4
+def test_greedy_decode_batches_take_the_graph_tokens(tiny_model, async_scheduling, lengths):
+    model = tiny_model("llama")
+    prompts = _prompts(lengths)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    opts = dict(max_num_seqs=5, async_scheduling=async_scheduling)
+    want, _ = _generate(model, prompts, params, graphs=False, **opts)
+    got, watch = _generate(model, prompts, params, graphs=True, **opts)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert all(len(o.output_token_ids) == 6 for o in got)
+    # every decode step replayed a graph and took its tokens: the sampler ran for prefills only
+    assert watch.decode_steps >= 5
+    assert watch.sampled_after_decode == 0 and watch.sampled > 0
+    assert (watch.pending_decode_steps >= 5) == async_scheduling
+
+
+def test_torch_argmax_knob_leaves_greedy_to_the_sampler(tiny_model, monkeypatch):
+    # HF_PAGED_TRITON_ARGMAX=0 (read at import): no in-graph tokens, the sampler as before
+    monkeypatch.setattr(sampler_mod, "_TRITON_ARGMAX", False)
+    model = tiny_model("llama")
+    prompts = _prompts([9, 20, 4])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want, _ = _generate(model, prompts, params, graphs=False, max_num_seqs=5)
+    eng = _engine(model, True, max_num_seqs=5)
+    assert not eng.runner.graphs.greedy_in_graph and eng.runner.graphs.greedy_tokens(3) is None
+    watch = _Watch(eng)
+    got = eng.generate(prompts, params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert watch.decode_steps > 0 and watch.sampled_after_decode == watch.decode_steps
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_mixed_greedy_and_sampling_batch_still_samples(tiny_model, logprobs):
+    # a request that samples (seeded: its draws do not depend on the batch), and one keeping
+    # logprobs, share decode graphs with plain greedy ones: those steps go through the sampler.
+    # Without logprobs the steps run asynchronously, so the sampler's last_tokens write must
+    # win over the graph's greedy one (the next input is read from there); logprobs make the
+    # steps synchronous and must be recorded as without graphs
+    model = tiny_model("llama")
+    prompts = _prompts([9, 20, 4, 13], seed=1)
+    greedy = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    third = SamplingParams(max_tokens=7, temperature=0, logprobs=2, ignore_eos=True)
+    params = [
+        greedy,
+        SamplingParams(max_tokens=7, temperature=1.5, seed=11, ignore_eos=True),
+        third if logprobs else greedy,
+        greedy,
+    ]
+    opts = dict(max_num_seqs=5, async_scheduling=True)
+    want, _ = _generate(model, prompts, params, graphs=False, **opts)
+    got, watch = _generate(model, prompts, params, graphs=True, **opts)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    # the sampled request's tokens are not (all) its greedy ones: the test can tell them apart
+    alone, _ = _generate(model, prompts[1:2], greedy, graphs=False, **opts)
+    assert got[1].output_token_ids != alone[0].output_token_ids
+    assert watch.decode_steps > 0 and watch.sampled_after_decode == watch.decode_steps
+    if logprobs:
+        assert len(got[2].logprobs) == 7
+        for a, b in zip(got[2].logprobs, want[2].logprobs):
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()))
+    else:
+        assert watch.pending_decode_steps >= 5
+
+
+def test_padded_rows_leave_last_tokens_alone(tiny_model):
+    # batch 3 padded to bucket 4 (buckets 1, 2, 4, 5): before each replay every last_tokens
+    # entry outside the step's rows holds a sentinel; after it, the real rows hold their greedy
+    # tokens and the sentinels are untouched (padded rows are row -1, not row 0)
+    model = tiny_model("llama")
+    eng = _engine(model, True, max_num_seqs=5, async_scheduling=True)
+    graphs, runner = eng.runner.graphs, eng.runner
+    assert graphs.buckets == [1, 2, 4, 5]
+    seen = []
+    real_run = graphs.run
+
+    def run(step):
+        rows = torch.as_tensor(step.rows)
+        others = torch.ones(runner.last_tokens.shape[0], dtype=torch.bool)
+        others[rows] = False
+        sentinel = 1000 + torch.arange(runner.last_tokens.shape[0])
+        runner.last_tokens[others] = sentinel[others]
+        logits = real_run(step)
+        want = logits.argmax(dim=-1)
+        assert torch.equal(graphs.greedy_tokens(len(rows)), want)
+        assert torch.equal(runner.last_tokens[rows], want)
+        assert torch.equal(runner.last_tokens[others], sentinel[others])
+        bucket = graphs.bucket_for(len(rows))
+        assert (graphs.inputs[("decode", bucket)]["rows"][len(rows) :] == -1).all()
+        seen.append((len(rows), bucket, sorted(step.rows.tolist())))
+        return logits
+
+    graphs.run = run
+    prompts = _prompts([9, 20, 4])
+    outs = eng.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert all(len(o.output_token_ids) == 5 for o in outs)
+    # padded decode steps with row 0 among the real rows (what a padding row 0 would clobber)
+    assert (3, 4, [0, 1, 2]) in seen
+    eng.check_invariants()
+    eng.shutdown()
