@@ -10,7 +10,7 @@ from hf_paged.scheduler import ModelRunnerOutput
 class PendingOutput:
     """A launched step's sampled tokens on their way to the host (asynchronous scheduling)."""
 
-    def __init__(self, runner, num_seqs, sample_rows, rows, positions, tokens_t):
+    def __init__(self, runner, num_seqs, sample_rows, rows, positions, tokens_t, landed=None):
         self.runner = runner
         self.num_seqs = num_seqs
         self.sample_rows = sample_rows  # indices into the step's requests
@@ -20,8 +20,11 @@ class PendingOutput:
         self.event = None
         self.host = None
         if tokens_t is not None:
-            self.host = runner._host_buffer(len(sample_rows))
-            self.host.copy_(tokens_t, non_blocking=True)
+            if landed is not None:  # written into pinned host memory by the step's own kernel
+                self.host = landed
+            else:
+                self.host = runner._host_buffer(len(sample_rows))
+                self.host.copy_(tokens_t, non_blocking=True)
             if runner.device.type == "cuda":
                 self.event = torch.cuda.Event()
                 self.event.record()

@@ -32,9 +32,11 @@ static numbers, so one graph serves every context length:
   per layer. On the H200 (Llama-3-8B shape, ShareGPT lengths) mixed steps ran at ~42 ms of wall
   for ~19 ms of GPU work when launched op by op.
 
-Per step the host sends a graph's inputs in two copies: the block table rows, and everything else
-packed into one byte buffer (`_packed_layout`: token ids, their rows, positions, slots, sequence
-lengths, and for mixed graphs query starts and kept rows) laid out per graph. Each graph reads its
+Per step the host sends a graph's inputs in one copy, packed into one byte buffer
+(`_packed_layout`: token ids, their rows, positions, slots, sequence lengths, the block table
+rows, for mixed graphs query starts and kept rows, for decode graphs the greedy tokens' host
+landing row) laid out per graph; a graph whose block table rows exceed PACKED_TABLE_BYTES gets
+them in a second copy, only their used columns. Each graph reads its
 inputs from views of that buffer at its own offsets, and takes a token sampled by the step before
 (asynchronous scheduling) from the runner's last_tokens on the device, inside the graph. Before
 this, a batch-1 step ran eleven copies and small kernels around its graph, ~2.5 us each with the
@@ -59,9 +61,16 @@ from hf_paged.forward_context import (
 from hf_paged.host_to_device import pinned
 
 
-def _packed_layout(kind: str, tokens: int, seqs: int):
+# A graph whose block table rows (sequences x max_blocks_per_seq int32) fit in this many bytes
+# takes them inside its packed inputs, so a step sends one copy instead of two (each copy ~1 us
+# plus ~2 us of gap at batch 1 on the H200); a larger table is sent on its own, only its used
+# columns (the packed copy would send every column of every row).
+PACKED_TABLE_BYTES = 16384
+
+
+def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0):
     """A graph's packed per-step inputs: (name -> (byte offset, dtype, length), total bytes),
-    every field 8-byte aligned."""
+    every field 8-byte aligned. table_width > 0: the block table rows too ([seqs, width])."""
     fields = [
         ("input_ids", torch.long, tokens),  # from the host (tokens it already has)
         ("rows", torch.long, tokens),  # InputBatch row of each token: last_tokens[row]
@@ -72,6 +81,10 @@ def _packed_layout(kind: str, tokens: int, seqs: int):
     ]
     if kind == "mixed":
         fields += [("keep", torch.long, seqs), ("query_start_loc", torch.int32, seqs + 1)]
+    else:  # which of the two host landing rows the in-graph greedy tokens go to
+        fields += [("host_slot", torch.long, 1)]
+    if table_width:
+        fields += [("block_table", torch.int32, seqs * table_width)]
     layout, offset = {}, 0
     for name, dtype, length in fields:
         layout[name] = (offset, dtype, length)
@@ -88,8 +101,11 @@ def _packed_layout(kind: str, tokens: int, seqs: int):
 _PAD = {"slot_mapping": -1, "seq_lens": 1, "rows": -1}
 
 
-def _views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
-    return {name: buf[o : o + n * d.itemsize].view(d) for name, (o, d, n) in layout.items()}
+def _views(buf: torch.Tensor, layout: dict, table_width: int) -> dict[str, torch.Tensor]:
+    views = {name: buf[o : o + n * d.itemsize].view(d) for name, (o, d, n) in layout.items()}
+    if "block_table" in views:
+        views["block_table"] = views["block_table"].view(-1, table_width)
+    return views
 
 
 def graph_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
@@ -136,12 +152,12 @@ class CudaGraphRunner:
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
         self.decode_keep = torch.arange(seqs, device=dev)
         keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
-        packed = {
-            (kind, size): _packed_layout(
-                kind, size, size if kind == "decode" else self._kept_rows(size)
-            )
-            for kind, size in keys
-        }
+        self.table_width = width
+        packed = {}
+        for kind, size in keys:
+            rows = size if kind == "decode" else self._kept_rows(size)
+            in_packed = rows * width * 4 <= PACKED_TABLE_BYTES
+            packed[(kind, size)] = _packed_layout(kind, size, rows, width if in_packed else 0)
         self.layouts = {key: layout for key, (layout, _) in packed.items()}
         self._nbytes = {key: nbytes for key, (_, nbytes) in packed.items()}
         nbytes = max(self._nbytes.values())
@@ -149,12 +165,14 @@ class CudaGraphRunner:
         # of two alternating pinned twins (a step's copy may still be reading the other), through
         # numpy views made once here: a step only writes values into them
         self.packed = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-        self.inputs = {key: _views(self.packed, layout) for key, layout in self.layouts.items()}
+        self.inputs = {
+            key: _views(self.packed, layout, width) for key, layout in self.layouts.items()
+        }
         pin = dev.type == "cuda"
         self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_inputs = [
             {
-                key: {name: t.numpy() for name, t in _views(buf, layout).items()}
+                key: {name: t.numpy() for name, t in _views(buf, layout, width).items()}
                 for key, layout in self.layouts.items()
             }
             for buf in self._host
@@ -172,6 +190,12 @@ class CudaGraphRunner:
 
         self.greedy_in_graph = sampler._TRITON_ARGMAX and (dev.type == "cuda" or interpreting())
         self.greedy: dict[int, torch.Tensor] = {}  # decode bucket -> int64 [bucket], static
+        # ... and the same tokens written by that kernel straight into pinned host memory (no
+        # device-to-host copy after the graph: ~1.4 us plus the ~4 us gap before it, batch 1 on
+        # the H200), into one of two rows, the packed input host_slot: step n+1 is launched
+        # before the host reads step n's tokens (asynchronous scheduling), and step n+2 only
+        # after, so two rows suffice. The host reads a row after the step's event.
+        self.host_tokens = torch.zeros((2, self.buckets[-1]), dtype=torch.long, pin_memory=pin)
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
         self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
@@ -187,7 +211,7 @@ class CudaGraphRunner:
             meta = AttentionMetadata(
                 query_start_loc=self.decode_qsl[: size + 1],
                 seq_lens=v["seq_lens"],
-                block_table=self.block_table[:size],
+                block_table=v.get("block_table", self.block_table[:size]),
                 slot_mapping=v["slot_mapping"],
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
@@ -197,7 +221,7 @@ class CudaGraphRunner:
             meta = AttentionMetadata(
                 query_start_loc=v["query_start_loc"],
                 seq_lens=v["seq_lens"],
-                block_table=self.block_table[:seqs],
+                block_table=v.get("block_table", self.block_table[:seqs]),
                 slot_mapping=v["slot_mapping"],
                 # the wrapper picks its launches from these two alone, so from the bucket: above
                 # the decode tile, the two-launch path (grids from token and sequence counts)
@@ -215,7 +239,7 @@ class CudaGraphRunner:
             if kind == "decode":  # every token keeps its logits row: a static arange
                 logits = self.runner._forward(ids, v["positions"], self.decode_keep[:size])
                 if self.greedy_in_graph:
-                    self.greedy[size] = self._greedy(logits, v["rows"], size)
+                    self.greedy[size] = self._greedy(logits, v, size)
                 return logits
             rows = self._kept_rows(size)
             logits = self.runner._forward(ids, v["positions"], v["keep"])
@@ -226,15 +250,21 @@ class CudaGraphRunner:
             self.mixed_logits[:rows].copy_(logits)
             return self.mixed_logits[:rows]
 
-    def _greedy(self, logits: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
+    def _greedy(self, logits: torch.Tensor, v: dict, size: int) -> torch.Tensor:
         """Each row's greedy token, also written into last_tokens[rows] (padding: row -1, no
-        write). Launched with PDL only behind the small-batch forward's PDL chain, whose lm_head
-        GEMV lets it start early; after a compiled forward there is no early trigger to use."""
+        write) and into host_tokens[host_slot]. Launched with PDL only behind the small-batch
+        forward's PDL chain, whose lm_head GEMV lets it start early; after a compiled forward
+        there is no early trigger to use."""
         from hf_paged.kernels import argmax_rows
 
         sb = self.runner.small_batch
         pdl = sb is not None and sb.pdl and size <= sb.max_rows
-        return argmax_rows(logits, scatter=(self.runner.last_tokens, rows), pdl=pdl)
+        return argmax_rows(
+            logits,
+            scatter=(self.runner.last_tokens, v["rows"]),
+            host=(self.host_tokens, v["host_slot"]),
+            pdl=pdl,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -308,6 +338,12 @@ class CudaGraphRunner:
             return None
         return self.greedy[self.bucket_for(batch)][:batch]
 
+    def greedy_host(self, batch: int) -> torch.Tensor:
+        """Where the decode step run() just replayed writes its greedy tokens on the host: a
+        view of a pinned row, valid once the step's work has finished (an event after it), and
+        until the step after next overwrites it."""
+        return self.host_tokens[self._flip, :batch]
+
     def run_mixed(self, step, keep: np.ndarray) -> torch.Tensor:
         """Replay for a mixed step that token_bucket_for() fits; returns logits for the flat
         token indices `keep` (at most max_num_seqs of them), in order."""
@@ -343,6 +379,15 @@ class CudaGraphRunner:
             h[name][count:] = _PAD.get(name, 0)
         h["seq_lens"][:batch] = step.seq_lens
         h["seq_lens"][batch:] = _PAD["seq_lens"]
+        table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
+        packed_table = h.get("block_table")
+        if packed_table is not None:
+            packed_table[:batch, : step.max_blocks] = table
+            # padded rows read one key of their first block: block 0, not whatever another
+            # graph's layout left in these bytes of the twin
+            packed_table[batch:, 0] = 0
+        if kind == "decode":
+            h["host_slot"][0] = self._flip
         if kind == "mixed":
             # sequences past the real ones are empty: they start at the end of the real tokens
             h["query_start_loc"][:] = count
@@ -353,5 +398,5 @@ class CudaGraphRunner:
         self.packed[:nbytes].copy_(self._host[self._flip][:nbytes], non_blocking=True)
         if self._host_done is not None:
             self._host_done[self._flip].record()
-        table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
-        self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)
+        if packed_table is None:
+            self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)

@@ -19,6 +19,9 @@ tokens inside the graph:
 - pdl=True (Hopper): programmatic dependent launch, as kernels/fused_gemv.py does it. The lm_head
   GEMV before it lets it launch early; it waits (griddepcontrol.wait) before loading anything, so
   only its launch and ramp overlap the GEMV's tail.
+- host=(buf, slot): also buf[slot, i] = token of row i, buf being pinned host memory the kernel
+  writes over the bus (Triton takes a pinned tensor's pointer). The host reads the tokens after
+  an event, with no device-to-host copy behind the graph.
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ def _argmax_rows_kernel(
     out_ptr,
     rows_ptr,
     dst_ptr,
+    host_ptr,
+    slot_ptr,
     V,
     D,
     stride_xm,
+    stride_host,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
     SCATTER: tl.constexpr,
+    HOST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -74,6 +81,8 @@ def _argmax_rows_kernel(
         d = tl.load(rows_ptr + row)
         inside = (d >= 0) & (d < D)  # padding (-1) writes nothing
         tl.store(dst_ptr + tl.where(inside, d, 0), token, mask=inside)
+    if HOST:  # pinned host memory, written over the bus: host[slot, row]
+        tl.store(host_ptr + tl.load(slot_ptr) * stride_host + row, token)
 
 
 def _check_index(name: str, t, length: int | None, device: torch.device) -> None:
@@ -93,6 +102,7 @@ def argmax_rows(
     x: torch.Tensor,
     *,
     scatter: tuple[torch.Tensor, torch.Tensor] | None = None,
+    host: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x: float [M, V] (rows may sit at a stride; entries contiguous) -> int64 [M], the index of
@@ -100,8 +110,9 @@ def argmax_rows(
 
     scatter=(dst, rows): dst int64 [N], rows int64 [M]; also dst[rows[i]] = token i, skipping
     rows[i] outside [0, N) (padding). Rows must be distinct where they are written (as for
-    index_copy_). pdl: launch with programmatic dependent launch where pdl_available(x.device),
-    else as usual."""
+    index_copy_). host=(buf, slot): buf int64 [S, >= M] in host memory (pinned when x is on
+    a GPU), slot int64 [1] on x's device; also buf[slot, i] = token i. pdl: launch with
+    programmatic dependent launch where pdl_available(x.device), else as usual."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -118,6 +129,17 @@ def argmax_rows(
         dst, rows = scatter
         _check_index("dst", dst, None, x.device)
         _check_index("rows", rows, m, x.device)
+    if host is not None:
+        if not isinstance(host, (tuple, list)) or len(host) != 2:
+            raise ValueError("host must be a pair (buf, slot)")
+        buf, slot = host
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int64 or buf.dim() != 2:
+            raise ValueError("host buf must be an int64 [slots, rows] tensor")
+        if buf.shape[1] < m or buf.stride(1) != 1:
+            raise ValueError(f"host buf must hold {m} contiguous entries a slot, got {buf.shape}")
+        if buf.device.type != "cpu" or (x.device.type == "cuda" and not buf.is_pinned()):
+            raise ValueError("host buf must be in host memory, pinned when x is on a GPU")
+        _check_index("slot", slot, 1, x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, dtype=torch.int64, device=x.device)
@@ -130,12 +152,16 @@ def argmax_rows(
         out,
         rows if scatter is not None else out,
         dst if scatter is not None else out,
+        buf if host is not None else out,
+        slot if host is not None else out,
         v,
         dst.shape[0] if scatter is not None else 0,
         x.stride(0),
+        buf.stride(0) if host is not None else 0,
         BLOCK=block,
         CHUNKS=triton.cdiv(v, block),
         SCATTER=scatter is not None,
+        HOST=host is not None,
         PDL=pdl,
         num_warps=16 if block >= 8192 else 4,
         **({"launch_pdl": True} if pdl else {}),

@@ -162,16 +162,23 @@ def test_padded_rows_leave_last_tokens_alone(tiny_model):
         assert torch.equal(graphs.greedy_tokens(len(rows)), want)
         assert torch.equal(runner.last_tokens[rows], want)
         assert torch.equal(runner.last_tokens[others], sentinel[others])
+        # and in pinned host memory (here: a CPU tensor), in this step's landing row
+        assert torch.equal(graphs.greedy_host(len(rows)), want)
+        slots.append(int(graphs.inputs[("decode", graphs.bucket_for(len(rows)))]["host_slot"]))
         bucket = graphs.bucket_for(len(rows))
         assert (graphs.inputs[("decode", bucket)]["rows"][len(rows) :] == -1).all()
         seen.append((len(rows), bucket, sorted(step.rows.tolist())))
         return logits
 
+    slots = []
     graphs.run = run
     prompts = _prompts([9, 20, 4])
     outs = eng.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert all(len(o.output_token_ids) == 5 for o in outs)
     # padded decode steps with row 0 among the real rows (what a padding row 0 would clobber)
     assert (3, 4, [0, 1, 2]) in seen
+    # consecutive decode steps land in alternating rows (the host reads step n's after
+    # launching step n+1)
+    assert len(slots) >= 4 and all(a != b for a, b in zip(slots, slots[1:])), slots
     eng.check_invariants()
     eng.shutdown()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
+from hf_paged import cuda_graphs
 from hf_paged.cuda_graphs import CudaGraphRunner, graph_buckets, token_buckets
 from hf_paged.testing import drive_engine
 
@@ -44,7 +45,14 @@ def _run(model, prompts, params, graphs: bool, **opts):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_padded_graph_inputs_change_no_greedy_output(tiny_model, async_scheduling):
+@pytest.mark.parametrize("table_bytes", [None, 0, 200])
+def test_padded_graph_inputs_change_no_greedy_output(
+    tiny_model, async_scheduling, table_bytes, monkeypatch
+):
+    # table_bytes: every graph's block table in its packed inputs (None: the default limit, which
+    # this tiny model's tables fit), none of them (0), or only those of <= 200 bytes (some each)
+    if table_bytes is not None:
+        monkeypatch.setattr(cuda_graphs, "PACKED_TABLE_BYTES", table_bytes)
     model = tiny_model("llama")
     # a 48-token budget with 5 seats: prompt chunks share steps with decodes (mixed steps of
     # 2..48 tokens, padded to 32 or 48 with empty sequences), then decode batches of 1..5
@@ -154,6 +162,7 @@ def test_packed_graph_inputs_layout_and_padding(tiny_model):
     graphs = eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
     graphs.capture()
     for key, layout in graphs.layouts.items():
+        assert "block_table" in layout, key  # this model's tables fit the packed copy
         spans = sorted((o, o + n * d.itemsize) for o, d, n in layout.values())
         assert all(a % 8 == 0 for a, _ in spans), key
         assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:])), key
@@ -164,6 +173,8 @@ def test_packed_graph_inputs_layout_and_padding(tiny_model):
     def send(step, kind, size, count, keep=None):
         real_send(step, kind, size, count, keep)
         v = {k: t.clone() for k, t in graphs.inputs[(kind, size)].items()}
+        # the rows' block tables as this step sent them (later steps add blocks)
+        v["want_table"] = eng.runner.input_batch.block_table[step.rows, : step.max_blocks].copy()
         seen.append((kind, size, count, len(step.rows), step, v))
 
     graphs._send = send
@@ -178,6 +189,10 @@ def test_packed_graph_inputs_layout_and_padding(tiny_model):
         assert not v["pending"][count:].any() and (v["input_ids"][count:] == 0).all()
         if step.pending is not None:
             assert v["pending"][:count].tolist() == step.pending.tolist()
+        # the block table rows: the used columns of each real row, block 0 for padded rows
+        table = v["want_table"].tolist()
+        assert v["block_table"][:batch, : step.max_blocks].tolist() == table
+        assert (v["block_table"][batch:, 0] == 0).all()
         if kind == "mixed":
             qsl = v["query_start_loc"].tolist()
             assert qsl[: batch + 1] == step.qsl.tolist() and set(qsl[batch + 1 :]) <= {count}

@@ -153,3 +153,39 @@ def test_argmax_rows_refuses_bad_scatter(scatter, match):
     with pytest.raises(ValueError, match=match):
         argmax_rows(_X, scatter=scatter)
     assert torch.equal(dst, before)
+
+
+def test_argmax_rows_lands_tokens_in_the_host_slot():
+    # host=(buf, slot): buf[slot, i] = token i (the decode graph's pinned landing rows; here a
+    # CPU tensor under the interpreter), the other slot and the entries past the rows untouched
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(9))
+    want = x.argmax(dim=-1)
+    for slot in (1, 0):
+        buf = torch.full((2, 5), -7, dtype=torch.int64)
+        got = argmax_rows(x, host=(buf, torch.tensor([slot])))
+        assert torch.equal(got, want)
+        assert buf[slot, :3].tolist() == want.tolist() and (buf[slot, 3:] == -7).all()
+        assert (buf[1 - slot] == -7).all()
+    # with a scatter too, both land
+    buf, dst = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    argmax_rows(x, scatter=(dst, torch.tensor([3, -1, 0])), host=(buf, torch.tensor([1])))
+    assert buf[1].tolist() == want.tolist() and dst.tolist() == [want[2], 0, 0, want[0]]
+
+
+_SLOT = torch.zeros(1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("host", "match"),
+    [
+        ((torch.zeros(2, 3, dtype=torch.int32), _SLOT), "host buf must be an int64"),
+        ((torch.zeros(6, dtype=torch.int64), _SLOT), "host buf must be an int64"),
+        ((torch.zeros(2, 2, dtype=torch.int64), _SLOT), "host buf must hold 3 contiguous"),
+        ((torch.zeros(2, 3, dtype=torch.int64), _SLOT.int()), r"slot must be int64 \[1\]"),
+        ((torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)), "slot"),
+        ((torch.zeros(2, 3, dtype=torch.int64),), r"host must be a pair \(buf, slot\)"),
+    ],
+)
+def test_argmax_rows_refuses_bad_host(host, match):
+    with pytest.raises(ValueError, match=match):
+        argmax_rows(_X, host=host)
