@@ -60,7 +60,6 @@ from hf_paged.forward_context import (
 )
 from hf_paged.host_to_device import pinned
 
-
 # A graph whose block table rows (sequences x max_blocks_per_seq int32) fit in this many bytes
 # takes them inside its packed inputs, so a step sends one copy instead of two (each copy ~1 us
 # plus ~2 us of gap at batch 1 on the H200); a larger table is sent on its own, only its used
