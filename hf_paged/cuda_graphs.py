@@ -13,12 +13,15 @@ static numbers, so one graph serves every context length:
   output, and in the same kernel writes it into the runner's last_tokens at the row's InputBatch
   row; padded rows have row -1 and write nothing, so they cannot clobber a real row's token.
   When every request of the step is plain greedy (Sampler.is_plain_greedy) the runner takes
-  these tokens, and neither the sampler nor its last_tokens index_copy_ runs. Why: at batch 1 on
-  the H200 those ran after the graph as the argmax (4.4 us), a 1.3 us gap, the index_copy_ (1.8
-  us) and a 2 us gap; inside the graph one kernel remains, launched with PDL behind the lm_head
-  GEMV where the small-batch forward uses PDL (expected: ~5 us a step). Any other batch goes
-  through the sampler as before, whose index_copy_ overwrites last_tokens for its rows after the
-  graph (the in-graph write is then only a wasted store).
+  these tokens, and neither the sampler nor its last_tokens index_copy_ runs; the same kernel
+  also writes them into pinned host memory (`host_tokens`), so no device-to-host copy follows
+  the graph either. Why: at batch 1 on the H200 the argmax (4.4 us), the index_copy_ (1.8 us),
+  the copy to the host (1.4 us), a second input copy and the gaps between them took ~26 us a
+  step after the graph; with all of them inside it (argmax launched with PDL behind the lm_head
+  GEMV) and the block table in the packed copy, ~9 us remain, and the 1.1B batch 1 went from
+  1,352-1,359 to 1,391-1,397 tok/s (session 14, interleaved). Any other batch goes through the
+  sampler as before, whose index_copy_ overwrites last_tokens for its rows after the graph (the
+  in-graph writes are then only wasted stores).
 - Mixed (any step with a prompt chunk or a multi-token query): the flat batch of T tokens is
   padded to the smallest token bucket >= T and its sequences to min(bucket, max_num_seqs) with
   empty ones (no new tokens: their attention programs exit at once). Padded tokens belong to no
@@ -36,8 +39,8 @@ Per step the host sends a graph's inputs in one copy, packed into one byte buffe
 (`_packed_layout`: token ids, their rows, positions, slots, sequence lengths, the block table
 rows, for mixed graphs query starts and kept rows, for decode graphs the greedy tokens' host
 landing row) laid out per graph; a graph whose block table rows exceed PACKED_TABLE_BYTES gets
-them in a second copy, only their used columns. Each graph reads its
-inputs from views of that buffer at its own offsets, and takes a token sampled by the step before
+them in a second copy, only their used columns. Each graph reads its inputs from views of that
+buffer at its own offsets, and takes a token sampled by the step before
 (asynchronous scheduling) from the runner's last_tokens on the device, inside the graph. Before
 this, a batch-1 step ran eleven copies and small kernels around its graph, ~2.5 us each with the
 gaps between them (H200 timeline, evals/engine_bench.py kernels=1).
@@ -151,7 +154,6 @@ class CudaGraphRunner:
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
         self.decode_keep = torch.arange(seqs, device=dev)
         keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
-        self.table_width = width
         packed = {}
         for kind, size in keys:
             rows = size if kind == "decode" else self._kept_rows(size)
