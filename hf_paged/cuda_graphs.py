@@ -12,7 +12,7 @@ static numbers, so one graph serves every context length:
   token (kernels/argmax.py, the kernel the sampler's argmax uses on a GPU) into a static int64
   output, and in the same kernel writes it into the runner's last_tokens at the row's InputBatch
   row; padded rows have row -1 and write nothing, so they cannot clobber a real row's token.
-  When every request of the step is plain greedy (Sampler.is_plain_greedy) the runner takes
+  When every request of the step is plain greedy (no SamplingParams.features bits) the runner takes
   these tokens, and neither the sampler nor its last_tokens index_copy_ runs; the same kernel
   also writes them into pinned host memory (`host_tokens`), so no device-to-host copy follows
   the graph either. Why: at batch 1 on the H200 the argmax (4.4 us), the index_copy_ (1.8 us),

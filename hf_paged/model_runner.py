@@ -56,6 +56,7 @@ class StepInputs:
     max_blocks: int
     decode_only: bool
     any_logprobs: bool
+    features: int  # every SamplingParams.features bit of the step's requests (0: plain greedy)
 
 
 class ModelRunner:
@@ -252,6 +253,7 @@ class ModelRunner:
         total_tokens = np.empty(num_seqs, dtype=np.int64)
         known = np.empty(num_seqs, dtype=np.int64)
         any_logprobs = False
+        features = 0
         any_pending = False
         for i, r in enumerate(requests):
             row = ib.row_of(r)
@@ -262,6 +264,7 @@ class ModelRunner:
             any_pending |= r.num_pending > 0
             ib.sync_blocks(row, kv.get_block_ids(r.request_id))
             any_logprobs |= r.sampling_params.prompt_logprobs
+            features |= r.sampling_params.features
         num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         seq_lens = starts + num_sched
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -287,6 +290,7 @@ class ModelRunner:
             max_blocks=int(ib.num_blocks[rows].max()),
             decode_only=num_tokens == num_seqs,
             any_logprobs=any_logprobs,
+            features=features,
         )
 
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
@@ -396,11 +400,12 @@ class ModelRunner:
         tokens_t = None
         landed = None  # the step's tokens as they arrive in pinned host memory, no copy needed
         idx = sample_idx
-        if graph_tokens is not None and self.sampler.is_plain_greedy(requests):
-            # The decode graph already took argmax(logits), what the sampler's hot path returns,
-            # wrote it into last_tokens and into pinned host memory: no sampler launch, no
-            # index_copy_, no device-to-host copy (at batch 1 on the H200 ~15 us of kernels,
-            # copies and gaps after the graph).
+        if graph_tokens is not None and not step.features:
+            # Every request plain greedy (no feature bits: the sampler's hot path, argmax of the
+            # raw logits). The decode graph already took argmax(logits) and wrote it into
+            # last_tokens and into pinned host memory: no sampler launch, no index_copy_, no
+            # device-to-host copy (at batch 1 on the H200 ~17 us of kernels, copies and gaps
+            # after the graph).
             tokens_t = graph_tokens
             landed = graphs.greedy_host(num_seqs)
         elif sample_rows:

@@ -11,7 +11,7 @@ What a request asked to keep is recorded on it here: the processed scores row (t
 the chosen token plus the top-n).
 
 An all-greedy decode batch replayed from a CUDA graph does not come here: the graph took the
-same argmax inside itself (Sampler.is_plain_greedy says when that stands for __call__).
+same argmax inside itself (the runner checks for no feature bits, this hot path's condition).
 """
 
 from __future__ import annotations
@@ -48,14 +48,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _union(feats) -> int:
-    """Every feature bit any of the requests has (SamplingParams.features)."""
-    out = 0
-    for f in feats:
-        out |= f
-    return out
-
-
 class Sampler:
     def __init__(self, device: torch.device, vocab_size: int | None = None) -> None:
         self.device = device
@@ -68,18 +60,12 @@ class Sampler:
             self._processor = LogitsProcessor(self._vocab_size or vocab_size, self.device)
         return self._processor
 
-    @staticmethod
-    def is_plain_greedy(requests: list[Request]) -> bool:
-        """True when __call__ would take its hot path: every request greedy on its raw logits,
-        with nothing to process, draw or record (no feature bits), so its tokens are exactly
-        argmax(logits). A decode CUDA graph computes that inside the graph, and the runner then
-        skips the sampler (hf_paged/cuda_graphs.py)."""
-        return not _union(r.sampling_params.features for r in requests)
-
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits: float [B, V] for the B requests that sample this step -> token ids int64 [B]."""
         feats = [r.sampling_params.features for r in requests]
-        any_feats = _union(feats)
+        any_feats = 0
+        for f in feats:
+            any_feats |= f
         if not any_feats:  # all greedy, nothing to process or record: the hot path
             return argmax(logits)
         if any_feats & F_BEAM:
