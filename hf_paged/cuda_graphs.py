@@ -50,7 +50,9 @@ gaps between them (H200 timeline, evals/engine_bench.py kernels=1).
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,8 +85,9 @@ def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0):
     ]
     if kind == "mixed":
         fields += [("keep", torch.long, seqs), ("query_start_loc", torch.int32, seqs + 1)]
-    else:  # which of the two host landing rows the in-graph greedy tokens go to
-        fields += [("host_slot", torch.long, 1)]
+    else:  # which of the two host landing rows the in-graph greedy tokens go to, and the
+        # positions sent (the landing row alternates with every device-advanced step since)
+        fields += [("host_slot", torch.long, 1), ("sent_pos", torch.long, tokens)]
     if table_width:
         fields += [("block_table", torch.int32, seqs * table_width)]
     layout, offset = {}, 0
@@ -197,6 +200,17 @@ class CudaGraphRunner:
         # before the host reads step n's tokens (asynchronous scheduling), and step n+2 only
         # after, so two rows suffice. The host reads a row after the step's event.
         self.host_tokens = torch.zeros((2, self.buckets[-1]), dtype=torch.long, pin_memory=pin)
+        self._landing = 0  # the landing row of the last decode replay
+        # A decode graph whose block table is in its packed inputs also moves those inputs on by
+        # one token (positions, sequence lengths, cache slots; kernels/argmax.py DecodeAdvance),
+        # so the next step of the same rows at the next positions, with no new block, is sent
+        # nothing: at batch 1 that is every step but one in block_size. The host still builds
+        # the step's inputs, and sends them unless they equal what the device holds
+        # (_device_holds). Why: the copy and the gaps around it were ~4.7 us of a 0.73 ms step
+        # on the H200. HF_PAGED_GRAPH_ADVANCE=0: every step sent (A/B measurements, evals/).
+        self.advance = self.greedy_in_graph and os.environ.get("HF_PAGED_GRAPH_ADVANCE", "1") != "0"
+        self._held: _Held | None = None  # what the device's packed inputs hold, if advanced
+        self.sends_skipped = 0
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
         self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
@@ -257,15 +271,27 @@ class CudaGraphRunner:
         forward's PDL chain, whose lm_head GEMV lets it start early; after a compiled forward
         there is no early trigger to use."""
         from hf_paged.kernels import argmax_rows
+        from hf_paged.kernels.argmax import DecodeAdvance
 
         sb = self.runner.small_batch
         pdl = sb is not None and sb.pdl and size <= sb.max_rows
+        advance = None
+        if self._advances(size):
+            advance = DecodeAdvance(
+                v["positions"], v["seq_lens"], v["slot_mapping"], v["block_table"],
+                v["sent_pos"], self.runner.block_size,
+            )  # fmt: skip
         return argmax_rows(
             logits,
             scatter=(self.runner.last_tokens, v["rows"]),
             host=(self.host_tokens, v["host_slot"]),
+            advance=advance,
             pdl=pdl,
         )
+
+    def _advances(self, size: int) -> bool:
+        """Whether the decode graph of this bucket moves its own inputs on (see __init__)."""
+        return self.advance and "block_table" in self.inputs[("decode", size)]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -322,8 +348,35 @@ class CudaGraphRunner:
         """Replay for a decode-only step; returns logits [B, vocab] (a view of the graph output)."""
         batch = len(step.rows)
         padded = self.bucket_for(batch)
-        self._send(step, "decode", padded, batch)
+        self._landing ^= 1
+        if self._device_holds(step, padded):
+            self.sends_skipped += 1
+        else:
+            self._send(step, "decode", padded, batch)
+        if self._advances(padded):  # what the replay leaves in the packed inputs
+            self._held = _Held(padded, step.rows.copy(), step.positions + 1, self._table(step))
         return self._replay("decode", padded)[:batch]
+
+    def _table(self, step) -> np.ndarray:
+        return self.runner.input_batch.block_table[step.rows, : step.max_blocks]
+
+    def _device_holds(self, step, size: int) -> bool:
+        """True when the packed inputs on the device, as the last decode replay moved them on,
+        are this decode step's: the same bucket and rows, every input a token sampled on the
+        device (pending), the positions one further, and the same block table whose columns
+        already hold the new positions (so the device's slots are the host's)."""
+        held = self._held
+        return (
+            held is not None
+            and held.size == size
+            and step.pending is not None
+            and bool(step.pending.all())
+            and np.array_equal(step.rows, held.rows)
+            and np.array_equal(step.positions, held.positions)
+            and held.table.shape[1] == step.max_blocks
+            and bool((step.positions < step.max_blocks * self.runner.block_size).all())
+            and np.array_equal(self._table(step), held.table)
+        )
 
     def decode_rows(self, batch: int) -> torch.Tensor:
         """The InputBatch rows of a decode step of `batch` sequences, on the device (its graph's
@@ -343,7 +396,7 @@ class CudaGraphRunner:
         """Where the decode step run() just replayed writes its greedy tokens on the host: a
         view of a pinned row, valid once the step's work has finished (an event after it), and
         until the step after next overwrites it."""
-        return self.host_tokens[self._flip, :batch]
+        return self.host_tokens[self._landing, :batch]
 
     def run_mixed(self, step, keep: np.ndarray) -> torch.Tensor:
         """Replay for a mixed step that token_bucket_for() fits; returns logits for the flat
@@ -362,7 +415,8 @@ class CudaGraphRunner:
 
     def _send(self, step, kind: str, size: int, count: int, keep=None) -> None:
         """Fill the graph's packed inputs (padding included) on the host and send them in one
-        copy; the block table rows in a second."""
+        copy (the block table rows in a second where they are not packed)."""
+        self._held = None  # run() records what a decode replay leaves, after this
         self._flip ^= 1
         if self._host_done is not None:
             self._host_done[self._flip].synchronize()  # its copy two steps ago: long finished
@@ -388,7 +442,9 @@ class CudaGraphRunner:
             # graph's layout left in these bytes of the twin
             packed_table[batch:, 0] = 0
         if kind == "decode":
-            h["host_slot"][0] = self._flip
+            h["host_slot"][0] = self._landing
+            h["sent_pos"][:count] = step.positions
+            h["sent_pos"][count:] = 0
         if kind == "mixed":
             # sequences past the real ones are empty: they start at the end of the real tokens
             h["query_start_loc"][:] = count
@@ -401,3 +457,13 @@ class CudaGraphRunner:
             self._host_done[self._flip].record()
         if packed_table is None:
             self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A decode graph's packed inputs on the device after its replay moved them on a token."""
+
+    size: int  # the bucket
+    rows: np.ndarray  # InputBatch rows, in order
+    positions: np.ndarray  # the positions the next step must have
+    table: np.ndarray  # the block table rows (used columns) the device holds

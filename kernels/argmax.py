@@ -26,6 +26,9 @@ tokens inside the graph:
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -44,14 +47,24 @@ def _argmax_rows_kernel(
     dst_ptr,
     host_ptr,
     slot_ptr,
+    pos_ptr,  # ADVANCE: int64 [M] positions, int32 [M] sequence lengths, int64 [M] cache slots
+    seq_ptr,
+    slot_map_ptr,
+    table_ptr,  # int32 [M, W] block table rows
+    sent_ptr,  # int64 [M]: the positions the host last sent
     V,
     D,
+    W,
     stride_xm,
     stride_host,
+    stride_table,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
     SCATTER: tl.constexpr,
     HOST: tl.constexpr,
+    ADVANCE: tl.constexpr,
+    PAGE: tl.constexpr,
+    ONE_KEY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -60,29 +73,104 @@ def _argmax_rows_kernel(
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    best_val = float("-inf")
-    best_idx = 0
-    first_nan = V  # V: no NaN seen
-    for c in tl.static_range(CHUNKS):
-        idx = c * BLOCK + offs
-        mask = idx < V
-        x = tl.load(x_ptr + row * stride_xm + idx, mask=mask, other=float("-inf")).to(tl.float32)
-        nan = x != x  # a row with a NaN answers its first NaN, whatever the maxima say
-        first_nan = tl.minimum(first_nan, tl.min(tl.where(nan, idx, V), axis=0))
-        m = tl.max(x, axis=0)
-        i = tl.argmax(x, axis=0, tie_break_left=True) + c * BLOCK
-        # strictly greater: an equal maximum in a later chunk keeps the earlier index
-        better = m > best_val
-        best_idx = tl.where(better, i, best_idx)
-        best_val = tl.where(better, m, best_val)
-    token = tl.where(first_nan < V, first_nan, best_idx).to(tl.int64)
+    if ONE_KEY:
+        token = _argmax_one_key(x_ptr + row * stride_xm, offs, V, BLOCK, CHUNKS)
+    else:
+        best_val = float("-inf")
+        best_idx = 0
+        first_nan = V  # V: no NaN seen
+        for c in tl.static_range(CHUNKS):
+            idx = c * BLOCK + offs
+            mask = idx < V
+            x = tl.load(x_ptr + row * stride_xm + idx, mask=mask, other=float("-inf"))
+            x = x.to(tl.float32)
+            nan = x != x  # a row with a NaN answers its first NaN, whatever the maxima say
+            first_nan = tl.minimum(first_nan, tl.min(tl.where(nan, idx, V), axis=0))
+            m = tl.max(x, axis=0)
+            i = tl.argmax(x, axis=0, tie_break_left=True) + c * BLOCK
+            # strictly greater: an equal maximum in a later chunk keeps the earlier index
+            better = m > best_val
+            best_idx = tl.where(better, i, best_idx)
+            best_val = tl.where(better, m, best_val)
+        token = tl.where(first_nan < V, first_nan, best_idx).to(tl.int64)
     tl.store(out_ptr + row, token)
+    real = True  # a row of the batch, not graph padding
     if SCATTER:
         d = tl.load(rows_ptr + row)
-        inside = (d >= 0) & (d < D)  # padding (-1) writes nothing
+        real = d >= 0
+        inside = real & (d < D)  # padding (-1) writes nothing
         tl.store(dst_ptr + tl.where(inside, d, 0), token, mask=inside)
+    if ADVANCE:
+        pos = tl.load(pos_ptr + row)
     if HOST:  # pinned host memory, written over the bus: host[slot, row]
-        tl.store(host_ptr + tl.load(slot_ptr) * stride_host + row, token)
+        slot = tl.load(slot_ptr)
+        if ADVANCE:  # the landing row alternates with every step since the host's last copy
+            slot = (slot + pos - tl.load(sent_ptr + row)) % 2
+        tl.store(host_ptr + slot * stride_host + row, token, mask=real)
+    if ADVANCE:
+        # this row's inputs for its next decode step, should the host not send new ones
+        nxt = pos + 1
+        page = tl.minimum(nxt // PAGE, W - 1)  # past the table: the host sends (never used)
+        block = tl.load(table_ptr + row * stride_table + page, mask=real, other=0)
+        tl.store(pos_ptr + row, nxt, mask=real)
+        tl.store(seq_ptr + row, (nxt + 1).to(tl.int32), mask=real)
+        tl.store(slot_map_ptr + row, block.to(tl.int64) * PAGE + nxt % PAGE, mask=real)
+
+
+@triton.jit
+def _argmax_one_key(x_ptr, offs, V, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    # One max-reduction over int64 keys instead of three reductions (max, argmax, first NaN):
+    # the high 32 bits order the values as signed integers (a float's bits, negatives with
+    # their magnitude bits flipped; -0.0 as +0.0; every NaN as one NaN above +inf), the low 32
+    # bits are 2^31 - 1 - index, so among equal values the first index wins, as torch's argmax
+    best = tl.full([], -(2**63), tl.int64)
+    for c in tl.static_range(CHUNKS):
+        idx = c * BLOCK + offs
+        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = tl.where(x == 0.0, 0, bits)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+        best = tl.maximum(best, tl.max(key, axis=0))
+    return (0x7FFFFFFF - (best & 0xFFFFFFFF)).to(tl.int64)
+
+
+# HF_PAGED_ARGMAX_KEY=0: the three-reduction form (A/B measurements, evals/)
+_ONE_KEY = os.environ.get("HF_PAGED_ARGMAX_KEY", "1") != "0"
+
+
+@dataclass(frozen=True)
+class DecodeAdvance:
+    """A decode CUDA graph's inputs that argmax_rows(advance=...) moves on by one token for
+    each real row (rows[i] >= 0), so the next step of the same rows needs no copy from the
+    host (hf_paged/cuda_graphs.py): positions += 1, seq_lens += 1, slot_mapping from the block
+    table at the new position. The host landing row then alternates from host's slot with
+    every step since the host last sent positions (sent_positions)."""
+
+    positions: torch.Tensor  # int64 [M]
+    seq_lens: torch.Tensor  # int32 [M]
+    slot_mapping: torch.Tensor  # int64 [M]
+    block_table: torch.Tensor  # int32 [M, W]
+    sent_positions: torch.Tensor  # int64 [M]
+    page_size: int
+
+
+def _check_advance(adv, m: int, device: torch.device) -> None:
+    if not isinstance(adv, DecodeAdvance):
+        raise ValueError(f"advance must be a DecodeAdvance, got {type(adv).__name__}")
+    _check_index("advance.positions", adv.positions, m, device)
+    _check_index("advance.slot_mapping", adv.slot_mapping, m, device)
+    _check_index("advance.sent_positions", adv.sent_positions, m, device)
+    s, t = adv.seq_lens, adv.block_table
+    if s.dtype != torch.int32 or s.shape != (m,) or s.device != device:
+        raise ValueError(f"advance.seq_lens must be int32 [{m}] on {device}, got {s.dtype}")
+    if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != m or t.stride(1) != 1:
+        raise ValueError(f"advance.block_table must be int32 [{m}, W], got {t.dtype}")
+    if t.device != device or t.shape[1] < 1:
+        raise ValueError(f"advance.block_table must be on {device} with >= 1 column")
+    if not isinstance(adv.page_size, int) or adv.page_size < 1:
+        raise ValueError(f"advance.page_size must be a positive int, got {adv.page_size!r}")
 
 
 def _check_index(name: str, t, length: int | None, device: torch.device) -> None:
@@ -103,6 +191,7 @@ def argmax_rows(
     *,
     scatter: tuple[torch.Tensor, torch.Tensor] | None = None,
     host: tuple[torch.Tensor, torch.Tensor] | None = None,
+    advance: DecodeAdvance | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x: float [M, V] (rows may sit at a stride; entries contiguous) -> int64 [M], the index of
@@ -111,7 +200,8 @@ def argmax_rows(
     scatter=(dst, rows): dst int64 [N], rows int64 [M]; also dst[rows[i]] = token i, skipping
     rows[i] outside [0, N) (padding). Rows must be distinct where they are written (as for
     index_copy_). host=(buf, slot): buf int64 [S, >= M] in host memory (pinned when x is on
-    a GPU), slot int64 [1] on x's device; also buf[slot, i] = token i. pdl: launch with
+    a GPU), slot int64 [1] on x's device; also buf[slot, i] = token i (with scatter: for rows
+    >= 0 only). advance (needs scatter and host): DecodeAdvance. pdl: launch with
     programmatic dependent launch where pdl_available(x.device), else as usual."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")
@@ -140,6 +230,10 @@ def argmax_rows(
         if buf.device.type != "cpu" or (x.device.type == "cuda" and not buf.is_pinned()):
             raise ValueError("host buf must be in host memory, pinned when x is on a GPU")
         _check_index("slot", slot, 1, x.device)
+    if advance is not None:
+        if scatter is None or host is None:
+            raise ValueError("advance needs scatter (the rows) and host (the landing rows)")
+        _check_advance(advance, m, x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, dtype=torch.int64, device=x.device)
@@ -154,14 +248,24 @@ def argmax_rows(
         dst if scatter is not None else out,
         buf if host is not None else out,
         slot if host is not None else out,
+        advance.positions if advance is not None else out,
+        advance.seq_lens if advance is not None else out,
+        advance.slot_mapping if advance is not None else out,
+        advance.block_table if advance is not None else out,
+        advance.sent_positions if advance is not None else out,
         v,
         dst.shape[0] if scatter is not None else 0,
+        advance.block_table.shape[1] if advance is not None else 1,
         x.stride(0),
         buf.stride(0) if host is not None else 0,
+        advance.block_table.stride(0) if advance is not None else 0,
         BLOCK=block,
         CHUNKS=triton.cdiv(v, block),
         SCATTER=scatter is not None,
         HOST=host is not None,
+        ADVANCE=advance is not None,
+        PAGE=advance.page_size if advance is not None else 1,
+        ONE_KEY=_ONE_KEY,
         PDL=pdl,
         num_warps=16 if block >= 8192 else 4,
         **({"launch_pdl": True} if pdl else {}),

@@ -164,7 +164,7 @@ def test_padded_rows_leave_last_tokens_alone(tiny_model):
         assert torch.equal(runner.last_tokens[others], sentinel[others])
         # and in pinned host memory (here: a CPU tensor), in this step's landing row
         assert torch.equal(graphs.greedy_host(len(rows)), want)
-        slots.append(int(graphs.inputs[("decode", graphs.bucket_for(len(rows)))]["host_slot"]))
+        slots.append(graphs._landing)
         bucket = graphs.bucket_for(len(rows))
         assert (graphs.inputs[("decode", bucket)]["rows"][len(rows) :] == -1).all()
         seen.append((len(rows), bucket, sorted(step.rows.tolist())))
@@ -182,3 +182,50 @@ def test_padded_rows_leave_last_tokens_alone(tiny_model):
     assert len(slots) >= 4 and all(a != b for a, b in zip(slots, slots[1:])), slots
     eng.check_invariants()
     eng.shutdown()
+
+
+@pytest.mark.parametrize("advance", [True, False])
+def test_device_advanced_inputs_are_the_steps_inputs(tiny_model, monkeypatch, advance):
+    # Decode graphs move their own packed inputs on by a token (kernels/argmax.py
+    # DecodeAdvance), and the host sends nothing when that is what the step needs: at every
+    # decode replay the inputs the graph reads must be exactly the step's (sent or not), and
+    # most steps of a steady batch send nothing (block_size 8: a copy every 8th step or so).
+    # Three requests finishing at different steps (batch 3 -> 2 -> 1), greedy output as without
+    # graphs. HF_PAGED_GRAPH_ADVANCE=0: every step sent.
+    monkeypatch.setenv("HF_PAGED_GRAPH_ADVANCE", "1" if advance else "0")
+    model = tiny_model("llama")
+    prompts = _prompts([9, 20, 4], seed=3)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 30, 20)]
+    opts = dict(max_num_seqs=5, async_scheduling=True)
+    want, _ = _generate(model, prompts, params, graphs=False, **opts)
+    eng = _engine(model, True, **opts)
+    graphs = eng.runner.graphs
+    assert graphs.advance == advance
+    checked = []
+    real_run, real_replay = graphs.run, graphs._replay
+
+    def run(step):
+        checked.append(step)
+        return real_run(step)
+
+    def replay(kind, size):
+        if kind == "decode":
+            step, v = checked[-1], graphs.inputs[("decode", size)]
+            n = len(step.rows)
+            assert v["positions"][:n].tolist() == step.positions.tolist()
+            assert v["seq_lens"][:n].tolist() == step.seq_lens.tolist()
+            assert v["slot_mapping"][:n].tolist() == step.slot_mapping.tolist()
+            assert v["rows"][:n].tolist() == step.row_of_token.tolist()
+            assert v["pending"][:n].all() and (v["slot_mapping"][n:] == -1).all()
+        return real_replay(kind, size)
+
+    graphs.run, graphs._replay = run, replay
+    got = eng.generate(prompts, params)
+    eng.check_invariants()
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    decode_steps = len(checked)
+    assert decode_steps >= 25
+    if advance:
+        assert graphs.sends_skipped >= decode_steps // 2, (graphs.sends_skipped, decode_steps)
+    else:
+        assert graphs.sends_skipped == 0

@@ -12,10 +12,30 @@ from hf_paged.kernels import argmax_rows
 am = importlib.import_module("hf_paged.kernels.argmax")
 
 
+@pytest.fixture(autouse=True, params=["one key", "three reductions"])
+def reduction_form(request, monkeypatch):
+    """Every test with both forms of the reduction (HF_PAGED_ARGMAX_KEY)."""
+    monkeypatch.setattr(am, "_ONE_KEY", request.param == "one key")
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 16 entries, so a row of a few dozen takes the multi-chunk path."""
     monkeypatch.setattr(am, "_MAX_BLOCK", 16)
+
+
+def test_argmax_rows_signed_zeros_and_negative_rows(small_chunks):
+    # -0.0 equals +0.0 (the first of them wins), negative maxima, a negative NaN (still NaN:
+    # the maximum), subnormals above zero
+    x = torch.full((4, 40), -5.0)
+    x[0, 30], x[0, 7] = 0.0, -0.0  # equal maxima: index 7
+    x[1, 12], x[1, 36] = -1.5, -1.25  # the less negative: 36
+    x[2, 20] = -float("nan")
+    x[2, 2] = float("inf")
+    x[3, 9], x[3, 31] = 1e-45, 0.0
+    want = x.argmax(dim=-1)
+    assert want.tolist() == [7, 36, 20, 9]  # what torch does, so the test means it
+    assert torch.equal(argmax_rows(x), want)
 
 
 @pytest.mark.parametrize("vocab", [1, 13, 16, 61, 200])
@@ -166,10 +186,10 @@ def test_argmax_rows_lands_tokens_in_the_host_slot():
         assert torch.equal(got, want)
         assert buf[slot, :3].tolist() == want.tolist() and (buf[slot, 3:] == -7).all()
         assert (buf[1 - slot] == -7).all()
-    # with a scatter too, both land
+    # with a scatter too, both land, except for padding rows (-1): nothing on the host either
     buf, dst = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     argmax_rows(x, scatter=(dst, torch.tensor([3, -1, 0])), host=(buf, torch.tensor([1])))
-    assert buf[1].tolist() == want.tolist() and dst.tolist() == [want[2], 0, 0, want[0]]
+    assert buf[1].tolist() == [want[0], 0, want[2]] and dst.tolist() == [want[2], 0, 0, want[0]]
 
 
 _SLOT = torch.zeros(1, dtype=torch.int64)
