@@ -21,7 +21,10 @@ static numbers, so one graph serves every context length:
   GEMV) and the block table in the packed copy, ~9 us remain, and the 1.1B batch 1 went from
   1,352-1,359 to 1,391-1,397 tok/s (session 14, interleaved). Any other batch goes through the
   sampler as before, whose index_copy_ overwrites last_tokens for its rows after the graph (the
-  in-graph writes are then only wasted stores).
+  in-graph writes are then only wasted stores). A decode graph whose block table is packed
+  also moves its own inputs on by a token in that kernel, and the host skips the next step's
+  copy when its inputs are exactly those (same rows, positions one further, same blocks):
+  at batch 1 every step but about one in block_size.
 - Mixed (any step with a prompt chunk or a multi-token query): the flat batch of T tokens is
   padded to the smallest token bucket >= T and its sequences to min(bucket, max_num_seqs) with
   empty ones (no new tokens: their attention programs exit at once). Padded tokens belong to no
@@ -207,7 +210,8 @@ class CudaGraphRunner:
         # nothing: at batch 1 that is every step but one in block_size. The host still builds
         # the step's inputs, and sends them unless they equal what the device holds
         # (_device_holds). Why: the copy and the gaps around it were ~4.7 us of a 0.73 ms step
-        # on the H200. HF_PAGED_GRAPH_ADVANCE=0: every step sent (A/B measurements, evals/).
+        # on the H200; skipping it measured ~0.2% at the 1.1B batch 1 (kernels/argmax.py).
+        # HF_PAGED_GRAPH_ADVANCE=0: every step sent (A/B measurements, evals/engine_ab.py).
         self.advance = self.greedy_in_graph and os.environ.get("HF_PAGED_GRAPH_ADVANCE", "1") != "0"
         self._held: _Held | None = None  # what the device's packed inputs hold, if advanced
         self.sends_skipped = 0

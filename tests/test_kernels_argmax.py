@@ -12,12 +12,6 @@ from hf_paged.kernels import argmax_rows
 am = importlib.import_module("hf_paged.kernels.argmax")
 
 
-@pytest.fixture(autouse=True, params=["one key", "three reductions"])
-def reduction_form(request, monkeypatch):
-    """Every test with both forms of the reduction (HF_PAGED_ARGMAX_KEY)."""
-    monkeypatch.setattr(am, "_ONE_KEY", request.param == "one key")
-
-
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 16 entries, so a row of a few dozen takes the multi-chunk path."""
@@ -209,3 +203,62 @@ _SLOT = torch.zeros(1, dtype=torch.int64)
 def test_argmax_rows_refuses_bad_host(host, match):
     with pytest.raises(ValueError, match=match):
         argmax_rows(_X, host=host)
+
+
+def _advance(m=3, width=4, page=4):
+    """A DecodeAdvance for m rows: positions 5, 7, 11 in tables of `width` blocks of `page`."""
+    pos = torch.tensor([5, 7, 11][:m], dtype=torch.int64)
+    table = torch.arange(m * width, dtype=torch.int32).reshape(m, width) + 100
+    return am.DecodeAdvance(
+        positions=pos.clone(),
+        seq_lens=(pos + 1).int(),
+        slot_mapping=torch.zeros(m, dtype=torch.int64),
+        block_table=table,
+        sent_positions=pos.clone(),
+        page_size=page,
+    )
+
+
+def test_argmax_rows_advance_moves_real_rows_on_a_token():
+    # advance: each real row's next decode inputs (position + 1, sequence length + 1, the cache
+    # slot from its table at the new position); graph padding (rows -1) keeps its own; the
+    # landing row alternates with every step since the host's last copy
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    want = x.argmax(dim=-1)
+    adv = _advance()
+    dst, buf = torch.zeros(8, dtype=torch.int64), torch.full((2, 3), -7, dtype=torch.int64)
+    rows = torch.tensor([2, -1, 6])
+    argmax_rows(x, scatter=(dst, rows), host=(buf, torch.tensor([1])), advance=adv)
+    assert adv.positions.tolist() == [6, 7, 12] and adv.seq_lens.tolist() == [7, 8, 13]
+    # row 0: position 6 is block 1 of its table (101), offset 2; row 2: 12 -> block 3 (111), 0
+    assert adv.slot_mapping.tolist() == [101 * 4 + 2, 0, 111 * 4 + 0]
+    assert buf[1].tolist() == [want[0], -7, want[2]] and (buf[0] == -7).all()
+    # the next step, not sent: one position past what the host sent, so the other landing row
+    argmax_rows(x, scatter=(dst, rows), host=(buf, torch.tensor([1])), advance=adv)
+    assert adv.positions.tolist() == [7, 7, 13]
+    assert buf[0].tolist() == [want[0], -7, want[2]]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(seq_lens=torch.zeros(3, dtype=torch.int64)), r"advance.seq_lens must be int32"),
+        (dict(block_table=torch.zeros(3, 4, dtype=torch.int64)), "advance.block_table"),
+        (dict(block_table=torch.zeros(3, 0, dtype=torch.int32)), "advance.block_table"),
+        (dict(positions=torch.zeros(2, dtype=torch.int64)), r"advance.positions must be int64"),
+        (dict(slot_mapping=torch.zeros(3, dtype=torch.int32)), "advance.slot_mapping"),
+        (dict(page_size=0), "advance.page_size"),
+    ],
+)
+def test_argmax_rows_refuses_bad_advance(change, match):
+    import dataclasses
+
+    adv = dataclasses.replace(_advance(), **change)
+    scatter = (torch.zeros(8, dtype=torch.int64), _I)
+    host = (torch.zeros(2, 3, dtype=torch.int64), _SLOT)
+    with pytest.raises(ValueError, match=match):
+        argmax_rows(_X, scatter=scatter, host=host, advance=adv)
+    with pytest.raises(ValueError, match="advance needs scatter"):
+        argmax_rows(_X, host=host, advance=_advance())
+    with pytest.raises(ValueError, match="advance must be a DecodeAdvance"):
+        argmax_rows(_X, scatter=scatter, host=host, advance=(1, 2))
