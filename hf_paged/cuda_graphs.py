@@ -353,22 +353,24 @@ class CudaGraphRunner:
         batch = len(step.rows)
         padded = self.bucket_for(batch)
         self._landing ^= 1
-        if self._device_holds(step, padded):
+        # the step's block table rows, where this graph moves its inputs on (else not needed)
+        table = None
+        if self._advances(padded):
+            table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
+        if table is not None and self._device_holds(step, padded, table):
             self.sends_skipped += 1
         else:
             self._send(step, "decode", padded, batch)
-        if self._advances(padded):  # what the replay leaves in the packed inputs
-            self._held = _Held(padded, step.rows.copy(), step.positions + 1, self._table(step))
+        if table is not None:  # what the replay leaves in the packed inputs
+            self._held = _Held(padded, step.rows.copy(), step.positions + 1, table)
         return self._replay("decode", padded)[:batch]
 
-    def _table(self, step) -> np.ndarray:
-        return self.runner.input_batch.block_table[step.rows, : step.max_blocks]
-
-    def _device_holds(self, step, size: int) -> bool:
+    def _device_holds(self, step, size: int, table: np.ndarray) -> bool:
         """True when the packed inputs on the device, as the last decode replay moved them on,
         are this decode step's: the same bucket and rows, every input a token sampled on the
-        device (pending), the positions one further, and the same block table whose columns
-        already hold the new positions (so the device's slots are the host's)."""
+        device (pending), the positions one further, and the same block table (`table`, the
+        step's rows) whose columns already hold the new positions (so the device's slots are
+        the host's)."""
         held = self._held
         return (
             held is not None
@@ -379,7 +381,7 @@ class CudaGraphRunner:
             and np.array_equal(step.positions, held.positions)
             and held.table.shape[1] == step.max_blocks
             and bool((step.positions < step.max_blocks * self.runner.block_size).all())
-            and np.array_equal(self._table(step), held.table)
+            and np.array_equal(table, held.table)
         )
 
     def decode_rows(self, batch: int) -> torch.Tensor:
