@@ -357,29 +357,28 @@ class CudaGraphRunner:
         table = None
         if self._advances(padded):
             table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
-        if table is not None and self._device_holds(step, padded, table):
+        if table is not None and self._device_holds(step, table):
             self.sends_skipped += 1
         else:
-            self._send(step, "decode", padded, batch)
+            self._send(step, "decode", padded, batch, table=table)
         if table is not None:  # what the replay leaves in the packed inputs
-            self._held = _Held(padded, step.rows.copy(), step.positions + 1, table)
+            self._held = _Held(step.rows.copy(), step.positions + 1, table)
         return self._replay("decode", padded)[:batch]
 
-    def _device_holds(self, step, size: int, table: np.ndarray) -> bool:
+    def _device_holds(self, step, table: np.ndarray) -> bool:
         """True when the packed inputs on the device, as the last decode replay moved them on,
-        are this decode step's: the same bucket and rows, every input a token sampled on the
-        device (pending), the positions one further, and the same block table (`table`, the
-        step's rows) whose columns already hold the new positions (so the device's slots are
-        the host's)."""
+        are this decode step's: the same rows (so the same graph), every input a token sampled
+        on the device (pending), the positions one further, and the same block table (`table`,
+        the step's rows and used columns) whose columns already hold the new positions (so the
+        device's slots are the host's). Any _send since that replay (another graph's inputs
+        share the buffer) has cleared what it held."""
         held = self._held
         return (
             held is not None
-            and held.size == size
             and step.pending is not None
             and bool(step.pending.all())
             and np.array_equal(step.rows, held.rows)
             and np.array_equal(step.positions, held.positions)
-            and held.table.shape[1] == step.max_blocks
             and bool((step.positions < step.max_blocks * self.runner.block_size).all())
             and np.array_equal(table, held.table)
         )
@@ -419,9 +418,10 @@ class CudaGraphRunner:
         self._send(step, "mixed", padded, num_tokens, keep)
         return self._replay("mixed", padded)[:num_keep]
 
-    def _send(self, step, kind: str, size: int, count: int, keep=None) -> None:
+    def _send(self, step, kind: str, size: int, count: int, keep=None, table=None) -> None:
         """Fill the graph's packed inputs (padding included) on the host and send them in one
-        copy (the block table rows in a second where they are not packed)."""
+        copy (the block table rows in a second where they are not packed); table: the step's
+        block table rows (used columns) where the caller has them already."""
         self._held = None  # run() records what a decode replay leaves, after this
         self._flip ^= 1
         if self._host_done is not None:
@@ -440,7 +440,8 @@ class CudaGraphRunner:
             h[name][count:] = _PAD.get(name, 0)
         h["seq_lens"][:batch] = step.seq_lens
         h["seq_lens"][batch:] = _PAD["seq_lens"]
-        table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
+        if table is None:
+            table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
         packed_table = h.get("block_table")
         if packed_table is not None:
             packed_table[:batch, : step.max_blocks] = table
@@ -469,7 +470,6 @@ class CudaGraphRunner:
 class _Held:
     """A decode graph's packed inputs on the device after its replay moved them on a token."""
 
-    size: int  # the bucket
     rows: np.ndarray  # InputBatch rows, in order
     positions: np.ndarray  # the positions the next step must have
     table: np.ndarray  # the block table rows (used columns) the device holds

@@ -121,7 +121,7 @@ class DecodeAdvance:
     """A decode CUDA graph's inputs that argmax_rows(advance=...) moves on by one token for
     each real row (rows[i] >= 0), so the next step of the same rows needs no copy from the
     host (hf_paged/cuda_graphs.py): positions += 1, seq_lens += 1, slot_mapping from the block
-    table at the new position. The host landing row then alternates from host's slot with
+    table at the new position. The host landing row then alternates from the host's slot with
     every step since the host last sent positions (sent_positions)."""
 
     positions: torch.Tensor  # int64 [M]
@@ -138,9 +138,8 @@ def _check_advance(adv, m: int, device: torch.device) -> None:
     _check_index("advance.positions", adv.positions, m, device)
     _check_index("advance.slot_mapping", adv.slot_mapping, m, device)
     _check_index("advance.sent_positions", adv.sent_positions, m, device)
-    s, t = adv.seq_lens, adv.block_table
-    if s.dtype != torch.int32 or s.shape != (m,) or s.device != device:
-        raise ValueError(f"advance.seq_lens must be int32 [{m}] on {device}, got {s.dtype}")
+    _check_index("advance.seq_lens", adv.seq_lens, m, device, torch.int32)
+    t = adv.block_table
     if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != m or t.stride(1) != 1:
         raise ValueError(f"advance.block_table must be int32 [{m}, W], got {t.dtype}")
     if t.device != device or t.shape[1] < 1:
@@ -149,13 +148,16 @@ def _check_advance(adv, m: int, device: torch.device) -> None:
         raise ValueError(f"advance.page_size must be a positive int, got {adv.page_size!r}")
 
 
-def _check_index(name: str, t, length: int | None, device: torch.device) -> None:
-    """A 1-d contiguous int64 tensor on x's device (of `length` entries where given)."""
+def _check_index(
+    name: str, t, length: int | None, device: torch.device, dtype: torch.dtype = torch.int64
+) -> None:
+    """A 1-d contiguous tensor of dtype on x's device (of `length` entries where given)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     want = f"[{length}]" if length is not None else "1-d"
-    if t.dtype != torch.int64 or t.dim() != 1 or (length is not None and t.shape[0] != length):
-        raise ValueError(f"{name} must be int64 {want}, got {t.dtype} {list(t.shape)}")
+    if t.dtype != dtype or t.dim() != 1 or (length is not None and t.shape[0] != length):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name} must be {kind} {want}, got {t.dtype} {list(t.shape)}")
     if t.stride(0) != 1 and t.shape[0] > 1:
         raise ValueError(f"{name} must be contiguous, strides {t.stride()}")
     if t.device != device:

@@ -170,8 +170,8 @@ def test_packed_graph_inputs_layout_and_padding(tiny_model):
     seen = []
     real_send = graphs._send
 
-    def send(step, kind, size, count, keep=None):
-        real_send(step, kind, size, count, keep)
+    def send(step, kind, size, count, keep=None, **kw):
+        real_send(step, kind, size, count, keep, **kw)
         v = {k: t.clone() for k, t in graphs.inputs[(kind, size)].items()}
         # the rows' block tables as this step sent them (later steps add blocks)
         v["want_table"] = eng.runner.input_batch.block_table[step.rows, : step.max_blocks].copy()
