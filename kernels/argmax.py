@@ -17,8 +17,9 @@ tokens inside the graph:
   a separate index_copy_ took 1.8 us and the 1.3 us gap before it at batch 1 (H200 timeline).
   A row index outside [0, len(dst)) writes nothing: the graph pads its rows with -1.
 - pdl=True (Hopper): programmatic dependent launch, as kernels/fused_gemv.py does it. The lm_head
-  GEMV before it lets it launch early; it waits (griddepcontrol.wait) before loading anything, so
-  only its launch and ramp overlap the GEMV's tail.
+  GEMV before it lets it launch early; it waits (griddepcontrol.wait) before loading the logits,
+  so its launch and ramp overlap the GEMV's tail (with advance, also its loads of the graph's
+  step inputs, below).
 - host=(buf, slot): also buf[slot, i] = token of row i, buf being pinned host memory the kernel
   writes over the bus (Triton takes a pinned tensor's pointer). The host reads the tokens after
   an event, with no device-to-host copy behind the graph.
@@ -26,7 +27,8 @@ tokens inside the graph:
   row (position, sequence length, cache slot from the block table), so the next step of the
   same rows needs no copy from the host while it stays inside its blocks. H200, 1.1B batch 1,
   interleaved (session 15, 2 rounds; session 14, 1): 1,387-1,391 tok/s with it against
-  1,384-1,388, a consistent ~0.2%.
+  1,384-1,388, a consistent ~0.2%. These inputs, rows and the host slot are the graph's step
+  inputs, which no kernel of the step writes: with pdl they are read before the wait.
 """
 
 from __future__ import annotations
@@ -70,11 +72,25 @@ def _argmax_rows_kernel(
     PAGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
-        # x (and, in general, rows) come from earlier kernels: nothing is loaded before the wait
+    if ADVANCE:
+        # A decode graph's step inputs (the host's copy in front of the graph's first, ordinary
+        # launch, or the previous replay's advance), which nothing in this step's PDL chain
+        # writes: read before the wait, so that after the argmax only stores remain (read
+        # after it, they were two dependent round trips, pos then the table, on the step's tail)
+        d = tl.load(rows_ptr + row)
+        real = d >= 0
+        pos = tl.load(pos_ptr + row)
+        # the host landing row alternates with every step since the host's last copy
+        slot = (tl.load(slot_ptr) + pos - tl.load(sent_ptr + row)) % 2
+        nxt = pos + 1
+        page = tl.minimum(nxt // PAGE, W - 1)  # past the table: the host sends (never used)
+        block = tl.load(table_ptr + row * stride_table + page, mask=real, other=0)
+    if PDL:
+        # x (and, without ADVANCE, rows) come from earlier kernels
         gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     best_val = float("-inf")
     best_idx = 0
@@ -93,24 +109,20 @@ def _argmax_rows_kernel(
         best_val = tl.where(better, m, best_val)
     token = tl.where(first_nan < V, first_nan, best_idx).to(tl.int64)
     tl.store(out_ptr + row, token)
-    real = True  # a row of the batch, not graph padding
+    if not ADVANCE:
+        real = True  # a row of the batch, not graph padding
+        if SCATTER:
+            d = tl.load(rows_ptr + row)
+            real = d >= 0
+        if HOST:
+            slot = tl.load(slot_ptr)
     if SCATTER:
-        d = tl.load(rows_ptr + row)
-        real = d >= 0
         inside = real & (d < D)  # padding (-1) writes nothing
         tl.store(dst_ptr + tl.where(inside, d, 0), token, mask=inside)
-    if ADVANCE:
-        pos = tl.load(pos_ptr + row)
     if HOST:  # pinned host memory, written over the bus: host[slot, row]
-        slot = tl.load(slot_ptr)
-        if ADVANCE:  # the landing row alternates with every step since the host's last copy
-            slot = (slot + pos - tl.load(sent_ptr + row)) % 2
         tl.store(host_ptr + slot * stride_host + row, token, mask=real)
     if ADVANCE:
         # this row's inputs for its next decode step, should the host not send new ones
-        nxt = pos + 1
-        page = tl.minimum(nxt // PAGE, W - 1)  # past the table: the host sends (never used)
-        block = tl.load(table_ptr + row * stride_table + page, mask=real, other=0)
         tl.store(pos_ptr + row, nxt, mask=real)
         tl.store(seq_ptr + row, (nxt + 1).to(tl.int32), mask=real)
         tl.store(slot_map_ptr + row, block.to(tl.int64) * PAGE + nxt % PAGE, mask=real)
@@ -179,7 +191,9 @@ def argmax_rows(
     rows[i] outside [0, N) (padding). Rows must be distinct where they are written (as for
     index_copy_). host=(buf, slot): buf int64 [S, >= M] in host memory (pinned when x is on
     a GPU), slot int64 [1] on x's device; also buf[slot, i] = token i (with scatter: for rows
-    >= 0 only). advance (needs scatter and host): DecodeAdvance. pdl: launch with
+    >= 0 only). advance (needs scatter and host): DecodeAdvance; its tensors, rows and slot
+    must not be written by the kernels in front of this one (they are read before the PDL
+    wait: a decode graph's step inputs). pdl: launch with
     programmatic dependent launch where pdl_available(x.device), else as usual."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")

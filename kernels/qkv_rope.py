@@ -21,11 +21,13 @@ from . import trace
 from .fused_gemv import (
     _ELEMS_PER_THREAD,
     _MAX_WARPS,
+    EVICT_FIRST_WEIGHTS,
     MAX_ROWS,
     _row_mask,
     fused_gemv_ref,
     gdc_launch_dependents,
     gdc_wait,
+    load_weights,
 )
 from .kv_write import check_kv_cache_pair, check_launchable
 from .rope_kv import rope_write_kv_ref, rotate_halves
@@ -76,6 +78,7 @@ def _norm_qkv_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
+    EVICT_FIRST: tl.constexpr = False,  # load_weights
     TRACE: tl.constexpr = False,  # kernels/trace.py
     trace_ptr=None,
 ):
@@ -93,8 +96,8 @@ def _norm_qkv_rope_kernel(
     offs_k = tl.arange(0, K_PAD)
     k_mask = offs_k < K
     tile = offs_k[None, :] + tl.zeros([PAIRS, 1], dtype=tl.int32)  # [PAIRS, K_PAD]
-    w1 = tl.load(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K, other=0.0)
-    w2 = tl.load(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K, other=0.0)
+    w1 = load_weights(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K, EVICT_FIRST)
+    w2 = load_weights(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K, EVICT_FIRST)
     w1 = w1.to(tl.float32)
     w2 = w2.to(tl.float32)
     g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -260,6 +263,7 @@ def norm_qkv_rope(
         PAGE_SIZE=key_cache.shape[1],
         HAS_BIAS=bias is not None,
         PDL=pdl,
+        EVICT_FIRST=EVICT_FIRST_WEIGHTS,
         **cfg,
         **trace.take(),
     )
