@@ -109,7 +109,10 @@ def _weight_tile(
     EVICT_FIRST: tl.constexpr,
 ):  # fmt: skip
     # rows back to back and under 2^31 elements (ROWS_I32): 32-bit offsets with K's stride
-    # known; otherwise 64-bit offsets by the runtime row stride
+    # known; otherwise 64-bit offsets by the runtime row stride. The fp32 conversion sits here,
+    # right after the load, on purpose: converting at each row's use instead (fewer registers
+    # at 2+ rows) compiled to a schedule 3% slower at 1 row and slower at 2 (H200, session 16,
+    # evals/h200/row-weights-*).
     if ROWS_I32:
         offs = offs_n[:, None] * K + offs_k[None, :]
     else:
