@@ -149,7 +149,7 @@ def _fused_gemv_kernel(
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
     ROWS_I32: tl.constexpr,
-    EVICT_FIRST: tl.constexpr = False,  # load_weights
+    EVICT_FIRST: tl.constexpr,  # load_weights
     TRACE: tl.constexpr = False,  # kernels/trace.py
     trace_ptr=None,
 ):

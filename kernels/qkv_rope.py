@@ -78,7 +78,7 @@ def _norm_qkv_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
-    EVICT_FIRST: tl.constexpr = False,  # load_weights
+    EVICT_FIRST: tl.constexpr,  # load_weights
     TRACE: tl.constexpr = False,  # kernels/trace.py
     trace_ptr=None,
 ):
