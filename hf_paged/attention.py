@@ -94,15 +94,20 @@ class TritonBackend(AttentionBackend):
         )
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-        if name == "triton":
-            try:
-                return TritonBackend()
-            except ValueError:
-                return TorchBackend()
-    return TritonBackend() if name == "triton" else TorchBackend()
+def make_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    if name == "auto" and device.type == "cuda":
+        try:
+            backend = TritonBackend()
+        except ValueError:
+            backend = TorchBackend()
+    else:
+        backend = TritonBackend() if name == "triton" else TorchBackend()
+    if backend.name == "triton" and block_size & (block_size - 1):
+        # the kernels tile a block with tl.arange, which takes powers of two only
+        raise ValueError(
+            f"block_size must be a power of two with the Triton attention backend, got {block_size}"
+        )
+    return backend
 
 
 def paged_attention_forward(

@@ -23,6 +23,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
+from hf_paged.generate import repetition_penalty
 from hf_paged.request import Request, RequestStatus
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP, SamplingParams
 
@@ -65,6 +66,17 @@ class BeamGroup:
         self.scores: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.done = False
+        self.error: BaseException | None = None  # what the group's user code raised
+
+    def step_or_fail(self) -> None:
+        """One beam step; if the request's own user code raises (a logits processor, a
+        stopping criterion), the group ends with the error on it and beam_generate raises it.
+        Other requests in the engine are not affected."""
+        try:
+            self.step()
+        except Exception as exc:
+            self.error = exc
+            self._finish(RequestStatus.FINISHED_ERROR)
 
     def ready(self) -> bool:
         return not self.done and all(
@@ -186,12 +198,13 @@ class BeamGroup:
             b.penalty_slot = -1  # its token history changed: recount penalties and n-grams
             b.ngram_index = None
 
-    def _finish(self) -> None:
+    def _finish(self, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """End every beam (and beams not started yet) through the scheduler's one exit."""
         self.done = True
-        self.engine.scheduler.finish_requests(
-            [*self.beams, *(self.root.pending_siblings or [])], RequestStatus.FINISHED_STOPPED
-        )
-        self.root.pending_siblings = None
+        for b in self.beams:
+            b.error = self.error
+        self.engine.scheduler.end_requests(self.beams, status)
+        self.engine._release_rows()
 
 
 # stages that do not apply to beam rows: warpers (no beam sampling), sampler records, forks
@@ -211,19 +224,29 @@ def beam_generate(engine, plan, batches) -> list:
     groups_per_batch: list[list[BeamGroup]] = []
     all_groups: list[BeamGroup] = []
     try:
-        for b in batches:
-            groups = []
-            for prompt in b.prompts:
-                groups.append(_add_group(engine, plan, prompt, nb, b))
-            groups_per_batch.append(groups)
-            all_groups.extend(groups)
+        with engine._lock:  # each group's requests are set up before any step sees them
+            engine._check_open()
+            for b in batches:
+                groups = []
+                for prompt in b.prompts:
+                    groups.append(_add_group(engine, plan, prompt, nb, b))
+                groups_per_batch.append(groups)
+                all_groups.extend(groups)
         while not all(g.done for g in all_groups):
-            engine.step()
+            engine.step()  # any thread's step advances these groups too
+            for g in all_groups:
+                if g.error is not None:
+                    raise g.error
     except BaseException:
-        for g in all_groups:
-            if not g.done:
-                g._finish()
+        with engine._lock:
+            for g in all_groups:
+                if not g.done:
+                    g._finish(RequestStatus.FINISHED_ABORTED)
+            engine._beam_groups -= set(all_groups)
         raise
+    for g in all_groups:  # finished by another thread's step
+        if g.error is not None:
+            raise g.error
     return [_outputs(gen, b, groups, nrs) for b, groups in zip(batches, groups_per_batch)]
 
 
@@ -233,7 +256,7 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
         min_tokens=max(batch.min_new, 0),
         temperature=0.0,
         eos_token_id=plan.eos,
-        repetition_penalty=float(plan.gen.repetition_penalty or 1.0),
+        repetition_penalty=repetition_penalty(plan.gen),
         no_repeat_ngram_size=int(plan.gen.no_repeat_ngram_size or 0),
         bad_words_ids=plan.gen.bad_words_ids,
         suppress_tokens=plan.gen.suppress_tokens,
@@ -241,7 +264,7 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
         logits_processors=plan.processors,
         beam_search=True,
     )
-    rid = engine.add_request(prompt, params)
+    rid = engine._add_request(prompt, params, None, 0)
     root = engine.scheduler.requests[rid]
     group = BeamGroup(engine, root, nb, plan, batch.max_new)
     root.beam = group

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# "auto": the model's dtype. FP8 needs scales in the attention kernels (not there yet).
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -61,7 +64,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in (
@@ -94,9 +99,19 @@ class EngineConfig:
             raise ValueError(
                 f"small_batch_rows must be an integer from 0 to 8, got {self.small_batch_rows!r}"
             )
-        if not isinstance(self.max_graph_tokens, int) or self.max_graph_tokens < 0:
+        if (
+            not isinstance(self.max_graph_tokens, int)
+            or isinstance(self.max_graph_tokens, bool)
+            or self.max_graph_tokens < 0
+        ):
             raise ValueError(
                 f"max_graph_tokens must be a non-negative integer, got {self.max_graph_tokens!r}"
+            )
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(
+            self.gpu_memory_utilization, bool
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -105,6 +120,11 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r} "
+                "(an FP8 KV cache is not supported yet)"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(

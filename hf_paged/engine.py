@@ -9,16 +9,19 @@ while engine.has_unfinished_requests():
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from numbers import Integral
 
 import torch
 
+from hf_paged.attention import ATTN_IMPLEMENTATION
 from hf_paged.config import EngineConfig
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.kv_cache_manager import KVCacheManager
 from hf_paged.model_runner import ModelRunner
-from hf_paged.request import Request, RequestOutput
+from hf_paged.request import Request, RequestOutput, RequestStatus
 from hf_paged.sampling_params import F_RENORM, F_WARP, SamplingParams
 from hf_paged.scheduler import Scheduler
 from hf_paged.stop_checker import build_stop_checkers
@@ -26,19 +29,45 @@ from hf_paged.streaming import RequestStream
 
 
 class Engine:
+    """Thread rules: every public method may be called from any thread. add_request, abort and
+    step hold one lock for their whole run, so they never interleave; each step serves every
+    live request, whoever added it. RequestStream (Engine.stream / generate, and so
+    model.generate) delivers each output to the stream that owns the request, whichever thread
+    stepped: concurrent generate calls share one continuously batched run, and each caller
+    waits for its own requests only.
+
+    While it lives, an Engine holds its model's attention routing (a ModelLease shared by every
+    Engine on the model): unpatching or shutting down another Engine leaves this one working;
+    switching the model's attention implementation by hand under it makes step() raise."""
+
     def __init__(self, model: torch.nn.Module, tokenizer=None, **options) -> None:
         from hf_paged.integrations.transformers import enable_paged_attention
 
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = EngineConfig.from_options(**options)
-        enable_paged_attention(model)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._lease = enable_paged_attention(model, self)
+        try:
+            self._build(model, config)
+        except BaseException:  # bad options found late: the model goes back as it came
+            self._release_model()
+            raise
+
+    def _build(self, model: torch.nn.Module, config: EngineConfig) -> None:
         text_cfg = model.config.get_text_config()
         model_max = getattr(text_cfg, "max_position_embeddings", None)
         if config.max_model_len is None:
             if model_max is None:
                 raise ValueError("max_model_len: the model config has no max_position_embeddings")
             config.max_model_len = model_max
+        elif model_max is not None and config.max_model_len > model_max:
+            # positions past the trained range give wrong output, silently (as vLLM, refused)
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_max})"
+            )
         self.vocab_size = text_cfg.vocab_size
         device = next(model.parameters()).device
         if config.max_num_batched_tokens is None:
@@ -52,14 +81,9 @@ class Engine:
             from hf_paged.integrations.fused_projections import fuse_projections
 
             self.num_fused_projections = fuse_projections(model)
-        try:
-            self.runner = ModelRunner(model, config)
-        except Exception:  # bad options found by the runner: hand the model back unfused
-            if self.num_fused_projections:
-                from hf_paged.integrations.fused_projections import unfuse_projections
-
-                unfuse_projections(model)
-            raise
+            if self.num_fused_projections:  # put back by the last Engine on the model
+                self._lease.fused = True
+        self.runner = ModelRunner(model, config)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -72,6 +96,27 @@ class Engine:
         self._beam_groups: set = set()  # hf_paged.beam_search groups in flight
         self._inflight = None  # async_scheduling: (SchedulerOutput, PendingOutput) launched
         self.peak_blocks_used = 0
+        self._streams: dict[str, RequestStream] = {}  # request id -> the stream it reports to
+        self._queued: list[RequestOutput] = []  # final outputs of aborts, reported by step()
+
+    def _release_model(self) -> None:
+        from hf_paged.integrations.transformers import disable_paged_attention
+
+        lease, self._lease = self._lease, None
+        if lease is not None and disable_paged_attention(self.model, self) and lease.fused:
+            from hf_paged.integrations.fused_projections import unfuse_projections
+
+            unfuse_projections(self.model)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: shut down (shutdown() or unpatch); build a new Engine")
+        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RuntimeError(
+                "model: its attention implementation was switched to "
+                f"{self.model.config._attn_implementation!r} while this Engine is live; the "
+                "Engine needs 'hf_paged' (shut the Engine down before switching)"
+            )
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -83,14 +128,22 @@ class Engine:
         priority: int = 0,
     ) -> str:
         """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
+        with self._lock:
+            self._check_open()
+            return self._add_request(prompt, params, request_id, priority)
+
+    def _add_request(self, prompt, params, request_id, priority) -> str:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        request_id = str(request_id)
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} already exists")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"n: {params.n} samples exceed max_num_seqs ({self.config.max_num_seqs})"
@@ -157,11 +210,21 @@ class Engine:
                 raise ValueError("prompt: a string prompt needs Engine(model, tokenizer)")
             prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if isinstance(prompt, torch.Tensor):
+            if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.ndim != 1:
+                raise ValueError(
+                    "prompt: a tensor prompt must be 1-D integer token ids, got "
+                    f"{prompt.dtype} of shape {tuple(prompt.shape)}"
+                )
             prompt = prompt.tolist()
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise ValueError("prompt must be a string or a sequence of integer token ids") from None
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Iterable):
+            raise ValueError(
+                f"prompt must be a string or a sequence of integer token ids, got {prompt!r:.80}"
+            )
+        ids = list(prompt)
+        wrong = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
+        if wrong:  # 1.5 or True silently taken as 1 would run a different prompt
+            raise ValueError(f"prompt token ids must be integers, got {wrong[:5]!r}")
+        ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -172,23 +235,66 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
+        """End a live request now: its blocks and row are free at once, and the next step()
+        reports its final output (finish_reason "abort"), and that of siblings that had not
+        started yet. Other requests are untouched."""
+        with self._lock:
+            self._abort(request_id, report=True)
+
+    def _abort(self, request_id: str, report: bool) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id not in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
-        self.scheduler.abort_request(request_id)
-        self.runner.release(request_id)
+        ended = self.scheduler.abort_request(request_id)
+        self._release_rows()
+        if report:
+            self._queued += [_make_output(r, 0) for r in ended]
+        else:  # the stream that owns them is closing: nobody waits for their outputs
+            for r in ended:
+                self._streams.pop(r.request_id, None)
+
+    def _release_rows(self) -> None:
+        """The runner drops what it holds for requests that left the running set (all of them,
+        whatever ended them: the scheduler's end_requests and preemption queue their ids)."""
+        for request_id in self.scheduler.take_released_req_ids():
+            self.runner.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests still to run, or final outputs (of aborts) that step() has yet to report."""
+        with self._lock:
+            return self.scheduler.has_unfinished_requests() or bool(self._queued)
 
     # -- stepping ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that got a token. With
-        async_scheduling, the step is launched before the previous step's tokens are read, and
-        the outputs reported are the previous step's."""
-        if self.config.async_scheduling:
-            return self._step_async()
-        return self._step_sync()
+        """Schedule, run the model once, and report every request that got a token or ended.
+        With async_scheduling, the step is launched before the previous step's tokens are read,
+        and the outputs reported are the previous step's. Each output also goes to the
+        RequestStream that owns its request, if any (see the class docstring)."""
+        with self._lock:
+            self._check_open()
+            outputs, self._queued = self._queued, []
+            try:
+                if self.config.async_scheduling:
+                    outputs += self._step_async()
+                else:
+                    outputs += self._step_sync()
+            finally:
+                self._release_rows()
+            self._route(outputs)
+            return outputs
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        if not streams:
+            return
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.deliver(out)
+                if out.finished:
+                    del streams[out.request_id]
 
     def _step_sync(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -232,8 +338,7 @@ class Engine:
         return self._after_execute(sched, pending.result(), launched=True)
 
     def _before_execute(self, sched) -> None:
-        for r in sched.preempted:
-            self.runner.release(r.request_id)
+        self._release_rows()  # preempted by this schedule
         copies, changed = self.kv.take_block_changes()
         for rid in changed:  # forked or copied-on-write: rebuild the runner's row
             self.runner.release(rid)
@@ -243,13 +348,12 @@ class Engine:
         self.peak_blocks_used = max(self.peak_blocks_used, used)
 
     def _after_execute(self, sched, runner_out, launched: bool) -> list[RequestOutput]:
-        advanced, finished = self.scheduler.update_from_output(sched, runner_out, launched)
+        advanced, ended = self.scheduler.update_from_output(sched, runner_out, launched)
         if self._beam_groups:  # groups whose beams all have their logits take a beam step
             for group in [g for g in self._beam_groups if g.ready()]:
-                group.step()
+                group.step_or_fail()
             self._beam_groups = {g for g in self._beam_groups if not g.done}
-        for r in finished:
-            self.runner.release(r.request_id)
+        self._release_rows()
         now = time.perf_counter()
         outputs = []
         for r in advanced:
@@ -258,6 +362,10 @@ class Engine:
             if r.status.finished:
                 r.finish_time = now
             outputs.append(_make_output(r, 1))
+        for r in ended:
+            if r.status == RequestStatus.FINISHED_ERROR and r.finish_time is None:
+                r.finish_time = now  # no token this step: the final output reports the error
+                outputs.append(_make_output(r, 0))
         return outputs
 
     def generate(
@@ -267,8 +375,11 @@ class Engine:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion through continuous batching; outputs in input order.
-        A prompt with n > 1 gives n consecutive outputs (index 0..n-1). The run is inside
-        frozen_heap(): no full garbage collection of the pre-run heap stalls it."""
+        A prompt with n > 1 gives n consecutive outputs (index 0..n-1). If a request's own user
+        code (stopping criterion, logits processor) raises, the other requests of this call are
+        aborted and that exception is raised here. Safe to call from several threads at once:
+        the calls share the engine's batch. The run is inside frozen_heap(): no full garbage
+        collection of the pre-run heap stalls it."""
         final: dict[str, RequestOutput] = {}
         bar = None
         with self.stream(prompts, params) as stream, frozen_heap():
@@ -278,6 +389,8 @@ class Engine:
                 bar = tqdm(total=len(stream.request_ids), desc="hf_paged", unit="req")
             try:
                 for out in stream:
+                    if out.error is not None:
+                        raise out.error
                     if out.finished:
                         final[out.request_id] = out
                         if bar is not None:
@@ -285,7 +398,11 @@ class Engine:
             finally:
                 if bar is not None:
                     bar.close()
-        missing = [rid for rid in stream.request_ids if rid not in final]
+        missing = [
+            rid
+            for rid in stream.request_ids
+            if rid not in final or final[rid].finish_reason == "abort"
+        ]
         if missing:
             raise RuntimeError(f"requests {missing[:5]} were aborted before they finished")
         return [final[rid] for rid in stream.request_ids]
@@ -300,26 +417,37 @@ class Engine:
         finished=True on its last), many requests interleaved. `.request_ids` lists them in input
         order (siblings of n > 1 after their first). Closing the iterator early aborts its
         unfinished requests; bad input raises ValueError before anything is queued."""
+        if isinstance(prompts, (str, torch.Tensor)):
+            raise ValueError("prompts must be a list of prompts (a list of one for one prompt)")
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params):
-                rid = self.add_request(prompt, p)
-                n = 1 if p is None else p.n
-                ids += [rid] + [f"{rid}#{k}" for k in range(1, n)]
-        except ValueError:
+        with self._lock:  # queued and subscribed at once: no step can report to nobody between
+            self._check_open()
+            try:
+                for prompt, p in zip(prompts, params):
+                    rid = self._add_request(prompt, p, None, 0)
+                    n = 1 if p is None else p.n
+                    ids += [rid] + [f"{rid}#{k}" for k in range(1, n)]
+            except ValueError:
+                for rid in ids:
+                    if rid in self.scheduler.requests:
+                        self._abort(rid, report=False)
+                raise
+            stream = RequestStream(self, ids)
             for rid in ids:
-                if rid in self.scheduler.requests:
-                    self.abort(rid)
-            raise
-        return RequestStream(self, ids)
+                self._streams[rid] = stream
+        return stream
 
     # -- introspection -----------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         pc = self.kv.prefix_cache_stats
         return {
             "num_blocks": self.kv.num_blocks,
@@ -339,24 +467,69 @@ class Engine:
         }
 
     def check_invariants(self) -> None:
-        """Block accounting is consistent; with no requests left, every block is free."""
-        self.kv.check_invariants()
-        live = self.scheduler.requests
-        assert live.num_sync_only == sum(not r.async_ok for r in live.values()), "sync count"
-        if not self.scheduler.has_unfinished_requests():
-            assert self.kv.get_num_free_blocks() == self.kv.num_blocks, "KV blocks leaked"
-            assert not self.kv.req_to_blocks, "finished requests still hold blocks"
+        """Raise AssertionError unless everything held has a live owner: every running request
+        is RUNNING and in the table, every waiting one WAITING or PREEMPTED, nothing in the
+        table is in neither (no ghost); KV blocks (refcounts, free queue), runner rows and
+        penalty rows are held by running requests only; with no requests left, nothing is held.
+        Tests call it after every test and, in the randomized tests, after every operation."""
+        with self._lock:
+            sched, kv, ib = self.scheduler, self.kv, self.runner.input_batch
+            kv.check_invariants()
+            live = sched.requests
+            assert live.num_sync_only == sum(not r.async_ok for r in live.values()), "sync count"
+            running = {r.request_id for r in sched.running}
+            assert len(running) == len(sched.running), "a request is in running twice"
+            for r in sched.running:
+                assert r.status == RequestStatus.RUNNING, f"{r.request_id} running as {r.status}"
+                assert live.get(r.request_id) is r, f"running {r.request_id} not in the table"
+            waiting = set()
+            for r in sched.waiting:
+                assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status
+                assert live.get(r.request_id) is r, f"waiting {r.request_id} not in the table"
+                waiting.add(r.request_id)
+            pending = set()
+            for r in live.values():
+                for sibling in r.pending_siblings or ():
+                    assert sibling.status == RequestStatus.WAITING, sibling.status
+                    assert live.get(sibling.request_id) is sibling, sibling.request_id
+                    pending.add(sibling.request_id)
+            ghosts = set(live) - running - waiting - pending
+            assert not ghosts, f"requests in the table but in no queue: {sorted(ghosts)[:5]}"
+            assert not running & waiting, "a request both running and waiting"
+            assert set(kv.req_to_blocks) <= running, "blocks held by a request not running"
+            rows = ib.req_to_row
+            assert set(rows) <= running, f"runner rows without an owner: {set(rows) - running}"
+            assert len(set(ib.free_rows)) == len(ib.free_rows), "a row freed twice"
+            assert not set(ib.free_rows) & set(rows.values()), "a row both free and held"
+            assert len(ib.free_rows) + len(rows) == ib.max_num_reqs, "runner rows leaked"
+            processor = self.runner.sampler._processor
+            if processor is not None:
+                pool = processor.pool
+                assert set(pool.slot_of) <= running, "penalty rows without an owner"
+                for rid, slot in pool.slot_of.items():
+                    assert pool.owners[slot].request_id == rid, f"penalty row {slot} mixed up"
+                held = sum(owner is not None for owner in pool.owners)
+                assert held == len(pool.slot_of), "penalty rows held outside the index"
+            queued = {out.request_id for out in self._queued}
+            assert set(self._streams) <= set(live) | queued, "a stream waits for nobody"
+            for group in self._beam_groups:
+                assert all(b.request_id in live for b in group.beams), "a beam ended early"
+            if not sched.has_unfinished_requests():
+                assert kv.get_num_free_blocks() == kv.num_blocks, "KV blocks leaked"
+                assert not kv.req_to_blocks, "finished requests still hold blocks"
+                assert not rows, "finished requests still hold runner rows"
 
     def shutdown(self) -> None:
         """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the
-        garbage collector breaks the runner's reference cycles, and put fused projections back.
-        The engine cannot step after."""
-        self.runner.shutdown()
-        if self.num_fused_projections:
-            from hf_paged.integrations.fused_projections import unfuse_projections
-
-            unfuse_projections(self.model)
-            self.num_fused_projections = 0
+        garbage collector breaks the runner's reference cycles, and give up the model: the last
+        Engine on it switches its attention back and puts fused projections back. The engine
+        cannot step after (step() raises)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.runner.shutdown()
+            self._release_model()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -406,4 +579,5 @@ def _make_output(r: Request, num_new: int) -> RequestOutput:
         logits=r.output_logits,
         index=r.sibling_index,
         parent_request_id=r.parent_request_id,
+        error=r.error,
     )

@@ -9,29 +9,38 @@ lists), so a full collection can land in the middle of a run whose steps take ~2
 `frozen_heap()` freezes the objects that exist when it is entered (`gc.freeze`: moved where the
 collector never scans) and unfreezes them when it exits, however it exits: collections inside
 scan only what the run made, and afterwards nothing stays exempt. Engine.generate runs inside
-it; a caller stepping the engine itself can use it the same way. It does nothing when nested, when
-the caller froze objects already, or when the collector is off.
+it; a caller stepping the engine itself can use it the same way. Nested and concurrent calls
+(threads) share the outermost freeze; it does nothing when the caller froze objects already, or
+when the collector is off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
-_depth = 0  # nesting of frozen_heap() (re-entry: an outer call already holds the freeze)
+_depth = 0  # frozen_heap() calls in progress, in any thread: the first in freezes, the last out
+_lock = threading.Lock()  # unfreezes (concurrent generate calls share one freeze)
 
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    global _depth
-    mine = _depth == 0 and gc.isenabled() and gc.get_freeze_count() == 0
-    if mine:
-        gc.freeze()
-    _depth += 1
+    global _depth, _mine
+    with _lock:
+        if _depth == 0:
+            _mine = gc.isenabled() and gc.get_freeze_count() == 0
+            if _mine:
+                gc.freeze()
+        _depth += 1
     try:
         yield
     finally:
-        _depth -= 1
-        if mine:
-            gc.unfreeze()
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _mine:
+                gc.unfreeze()
+
+
+_mine = False  # the outermost frozen_heap() froze the heap (and so unfreezes it)

@@ -133,6 +133,17 @@ def _eos_list(eos) -> list[int]:
     return [eos] if isinstance(eos, int) else [int(t) for t in eos]
 
 
+def repetition_penalty(gen: GenerationConfig) -> float:
+    """gen.repetition_penalty (None: off), refused as transformers refuses it."""
+    p = gen.repetition_penalty
+    if p is None:
+        return 1.0
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
+        # transformers' RepetitionPenaltyLogitsProcessor message
+        raise ValueError(f"`penalty` has to be a strictly positive float, but is {p}")
+    return float(p)
+
+
 def sampling_params_from_config(
     gen: GenerationConfig,
     max_new_tokens: int,
@@ -147,7 +158,7 @@ def sampling_params_from_config(
         max_tokens=max_new_tokens,
         min_tokens=max(min_new_tokens, 0),
         eos_token_id=eos,
-        repetition_penalty=float(gen.repetition_penalty or 1.0),
+        repetition_penalty=repetition_penalty(gen),
         no_repeat_ngram_size=int(gen.no_repeat_ngram_size or 0),
         bad_words_ids=gen.bad_words_ids,
         suppress_tokens=gen.suppress_tokens,
@@ -265,6 +276,12 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
         raise ValueError(f"generate: argument(s) {names} are not supported by hf_paged")
     gen.validate()
     _check_generation_config(gen)
+    for name in ("num_beams", "num_return_sequences"):
+        value = getattr(gen, name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     processors = _merge_processors(gen, custom_processors)
     criteria = _split_criteria(gen, custom_criteria, tokenizer)
     if any(isinstance(c, MaxLengthCriteria) for c in custom_criteria or ()):
@@ -282,10 +299,19 @@ def prepare_rows(model, plan: GenerationPlan, input_ids, attention_mask) -> RowB
     gen, pad = plan.gen, plan.pad
     if input_ids is None:
         raise ValueError("input_ids: generate needs input token ids")
-    if input_ids.ndim == 1:
-        input_ids = input_ids[None]
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == (torch.bool)
+    ):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.ndim != 2:  # as transformers' generate: a 1-D row is not a batch
+        raise ValueError(
+            f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)} "
+            "(one prompt: input_ids[None])"
+        )
     batch, length = input_ids.shape
     if gen.max_new_tokens is not None:
         max_new = gen.max_new_tokens
@@ -366,10 +392,15 @@ def _run_streaming(engine, prompts, params, streamer, expanded, pad):
     with engine.stream(prompts, params) as stream:
         lockstep = LockstepStreamer(streamer, expanded, stream.request_ids, pad)
         for out in stream:
+            if out.error is not None:  # a row's own stopping criterion or processor raised
+                raise out.error
             lockstep.update(out)
             if out.finished:
                 final[out.request_id] = out
         lockstep.end()
+    aborted = [rid for rid in stream.request_ids if final[rid].finish_reason == "abort"]
+    if aborted:
+        raise RuntimeError(f"requests {aborted[:5]} were aborted before they finished")
     return [final[rid] for rid in stream.request_ids]
 
 

@@ -115,8 +115,10 @@ def apply_warpers(scores: torch.Tensor, requests: list[Request], rows: list[int]
 class TokenCountPool:
     """Per-request token statistics for penalties, one row per request that uses them:
     prompt_mask[slot, v] (v occurs in the prompt) and output_counts[slot, v] (times v was
-    generated). Rows are claimed on a request's first penalised step and reclaimed lazily from
-    finished requests, so no engine hook is needed when a request ends or is aborted."""
+    generated). A row is claimed on a request's first penalised step and released when the
+    request leaves the running set (ModelRunner.release: finished, aborted, failed, preempted);
+    a request whose token history was rewritten (a beam) claims a fresh row, giving back its old
+    one."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -124,10 +126,17 @@ class TokenCountPool:
         self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
         self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
         self.owners: list[Request | None] = []
+        self.slot_of: dict[str, int] = {}  # request id -> its row
+
+    def release(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.owners[slot] = None
 
     def _claim(self, request: Request) -> int:
+        self.release(request.request_id)
         for slot, owner in enumerate(self.owners):
-            if owner is None or owner.status.finished or owner.penalty_slot != slot:
+            if owner is None:
                 break
         else:
             slot = len(self.owners)
@@ -139,6 +148,7 @@ class TokenCountPool:
                 [self.output_counts, self.output_counts.new_zeros(grow, v)]
             )
         self.owners[slot] = request
+        self.slot_of[request.request_id] = slot
         request.penalty_slot = slot
         request.penalty_num_counted = 0
         self.prompt_mask[slot] = False
@@ -275,15 +285,25 @@ def _apply_bans(scores: torch.Tensor, requests: list[Request], feats: list[int])
 # -- user processors -------------------------------------------------------------------------------
 
 
-def _apply_user(scores: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+def _apply_user(
+    scores: torch.Tensor, requests: list[Request], rows: list[int], failed: dict | None
+) -> torch.Tensor:
     """transformers semantics, one request at a time: processor(input_ids [1, L], scores [1, V]).
-    Costs one Python call per processor per request per step, plus building input_ids (O(L))."""
+    Costs one Python call per processor per request per step, plus building input_ids (O(L)).
+    A processor that raises fails its own request only: the exception goes into `failed` (by
+    request id; the row's scores are left as they were and its token is void), or, without
+    `failed`, up to the caller."""
     scores = scores.clone()
     for i in rows:
         r = requests[i]
         ids = torch.tensor([r.all_token_ids], dtype=torch.long, device=scores.device)
         procs = LogitsProcessorList(r.sampling_params.logits_processors)
-        scores[i : i + 1] = procs(ids, scores[i : i + 1])
+        try:
+            scores[i : i + 1] = procs(ids, scores[i : i + 1])
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed[r.request_id] = exc
     return scores
 
 
@@ -297,10 +317,15 @@ class LogitsProcessor:
         self.pool = TokenCountPool(vocab_size, device)
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], feats: list[int], any_feats: int
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        feats: list[int],
+        any_feats: int,
+        failed: dict | None = None,
     ) -> torch.Tensor:
         """logits: float32 [B, V] (not modified). Returns scores [B, V] (logits itself when no
-        row uses any stage)."""
+        row uses any stage). failed: see _apply_user."""
         scores = logits
         if any_feats & (F_REPETITION | F_PRESENCE):
             rows = [i for i, f in enumerate(feats) if f & (F_REPETITION | F_PRESENCE)]
@@ -308,7 +333,8 @@ class LogitsProcessor:
         if any_feats & (F_NGRAM | F_BAN):
             scores = _apply_bans(scores, requests, feats)
         if any_feats & F_USER:
-            scores = _apply_user(scores, requests, [i for i, f in enumerate(feats) if f & F_USER])
+            rows = [i for i, f in enumerate(feats) if f & F_USER]
+            scores = _apply_user(scores, requests, rows, failed)
         if any_feats & F_WARP:
             scores = apply_warpers(scores, requests, [i for i, f in enumerate(feats) if f & F_WARP])
         if any_feats & F_RENORM:

@@ -74,7 +74,7 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not a float dtype")
         self.block_size = config.block_size
         self.spec = KVCacheSpec(model, config.block_size, kv_dtype)
-        self.backend = make_backend(config.attention_backend, self.device)
+        self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -230,8 +230,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def release(self, request_id: str) -> None:
-        """The request left the running set (finished, aborted or preempted): free its row."""
+        """The request left the running set (ended or preempted): drop everything held for it,
+        its row and its penalty row."""
         self.input_batch.release(request_id)
+        self.sampler.release(request_id)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -433,8 +435,9 @@ class ModelRunner:
         if tokens:
             # the sampled token is the next input of its request: write it into the request's row
             self.input_batch.token_ids[step.rows[idx], seq_lens[idx]] = tokens
+        sampler = self.sampler
         return ModelRunnerOutput.from_rows(
-            num_seqs, sample_rows, tokens, self.sampler.take_fork_tokens()
+            num_seqs, sample_rows, tokens, sampler.take_fork_tokens(), sampler.take_failures()
         )
 
     def _host_buffer(self, n: int) -> torch.Tensor:

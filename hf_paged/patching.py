@@ -25,15 +25,14 @@ def patch(model: torch.nn.Module, tokenizer=None, **options) -> torch.nn.Module:
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    from hf_paged.integrations.transformers import disable_paged_attention
-
+    """Shut the patched engine down and give the model its own generate back. Its attention
+    goes back to what it was once no other live Engine runs on it."""
     if getattr(model, ENGINE_ATTR, None) is None:
         raise ValueError("model: this model is not patched by hf_paged")
     getattr(model, ENGINE_ATTR).shutdown()
     delattr(model, ENGINE_ATTR)
     if "generate" in model.__dict__:
         del model.generate
-    disable_paged_attention(model)
     return model
 
 

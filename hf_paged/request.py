@@ -18,12 +18,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # an end-of-sequence or stop token
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # user code (a stopping criterion, a logits processor) raised
 
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 # Plain attributes per member rather than properties or dict lookups: `status.finished` is read
@@ -83,6 +85,7 @@ class Request:
     parent_request_id: str | None = None
     beam: object | None = None  # hf_paged.beam_search group this request is a beam of
     beam_logits: torch.Tensor | None = None  # its last logits row, waiting for the group's step
+    error: BaseException | None = None  # FINISHED_ERROR: what the user's code raised
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -139,6 +142,9 @@ class RequestOutput:
     scores: list[torch.Tensor] | None = None  # SamplingParams.output_scores: [V] per new token
     logits: list[torch.Tensor] | None = None  # SamplingParams.output_logits: [V] per new token
     parent_request_id: str | None = None  # the first sibling's id (None for it)
+    # finish_reason "error": the exception the request's own user code raised (a stopping
+    # criterion or logits processor); generate() and Engine.generate re-raise it
+    error: BaseException | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

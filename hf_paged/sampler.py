@@ -54,6 +54,8 @@ class Sampler:
         self._processor: LogitsProcessor | None = None
         self._vocab_size = vocab_size
         self.fork_tokens: dict[str, list[int]] = {}
+        # request id -> what its logits processor raised this step (taken with the fork tokens)
+        self.failed: dict[str, BaseException] = {}
 
     def processor(self, vocab_size: int) -> LogitsProcessor:
         if self._processor is None:
@@ -74,7 +76,7 @@ class Sampler:
         num_rows = len(requests)
         if any_feats & F_FORK:
             logits, requests, feats = self._add_fork_rows(logits, requests, feats)
-        scores = self.processor(logits.shape[-1])(logits, requests, feats, any_feats)
+        scores = self.processor(logits.shape[-1])(logits, requests, feats, any_feats, self.failed)
         tokens = argmax(scores)
         if any_feats & F_WARP:
             rows = [i for i, f in enumerate(feats) if f & F_WARP]
@@ -105,6 +107,15 @@ class Sampler:
     def take_fork_tokens(self) -> dict[str, list[int]] | None:
         out, self.fork_tokens = self.fork_tokens, {}
         return out or None
+
+    def take_failures(self) -> dict[str, BaseException] | None:
+        out, self.failed = self.failed, {}
+        return out or None
+
+    def release(self, request_id: str) -> None:
+        """The request left the running set: give back its penalty row."""
+        if self._processor is not None:
+            self._processor.pool.release(request_id)
 
     @staticmethod
     def _add_fork_rows(logits, requests, feats):

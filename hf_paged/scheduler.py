@@ -45,10 +45,17 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # n > 1: parent request id -> first tokens of its pending siblings (same logits row)
     fork_token_ids: dict[str, list[int]] | None = None
+    # request id -> what its own user code (a logits processor) raised; its token is void
+    failed: dict[str, BaseException] | None = None
 
     @classmethod
     def from_rows(
-        cls, num_seqs: int, sample_rows: list[int], tokens: list[int], fork_token_ids=None
+        cls,
+        num_seqs: int,
+        sample_rows: list[int],
+        tokens: list[int],
+        fork_token_ids=None,
+        failed=None,
     ) -> ModelRunnerOutput:
         """tokens[j] was sampled by request sample_rows[j]; the others sampled nothing."""
         if len(sample_rows) == num_seqs:  # a decode step: every request sampled, in order
@@ -57,7 +64,7 @@ class ModelRunnerOutput:
             sampled = [-1] * num_seqs
             for i, t in zip(sample_rows, tokens):
                 sampled[i] = t
-        return cls(sampled_token_ids=sampled, fork_token_ids=fork_token_ids)
+        return cls(sampled_token_ids=sampled, fork_token_ids=fork_token_ids, failed=failed)
 
 
 class RequestTable(dict):
@@ -138,6 +145,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests = RequestTable()
         self.num_preemptions = 0
+        self.released_req_ids: list[str] = []  # see take_released_req_ids
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -145,34 +153,45 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def abort_request(self, request_id: str) -> Request:
-        request = self.requests.pop(request_id)
-        parent = self.requests.get(request.parent_request_id or "")
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif parent is not None and request in (parent.pending_siblings or ()):
-            parent.pending_siblings.remove(request)  # never forked: holds nothing
-        else:
-            self.waiting.remove(request)
-        self.kv.free(request)
-        request.status = RequestStatus.FINISHED_ABORTED
-        # siblings still waiting for this request's prompt cannot start without it
-        for sibling in request.pending_siblings or ():
-            self.requests.pop(sibling.request_id, None)
-            sibling.status = RequestStatus.FINISHED_ABORTED
-        request.pending_siblings = None
-        return request
+    def abort_request(self, request_id: str) -> list[Request]:
+        """End a live request (running, waiting, or a sibling not forked yet) as aborted.
+        Returns every request that ended: it, and its siblings still waiting for its prompt."""
+        return self.end_requests([self.requests[request_id]], RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, requests: list[Request], status: RequestStatus) -> None:
-        """End requests from outside a step (a beam group that is done): free their blocks."""
-        done = {id(r) for r in requests}
-        self.running = [r for r in self.running if id(r) not in done]
-        for r in requests:
-            if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r in self.waiting:
-                self.waiting.remove(r)
+    def end_requests(self, requests: list[Request], status: RequestStatus) -> list[Request]:
+        """The one way out of the scheduler, whatever ends a request (its stop condition, an
+        abort, an error in its user code, a beam group that is done): out of running, the
+        waiting queue or its parent's pending siblings; blocks freed; off the table; status
+        set; its id queued in released_req_ids so the runner drops what it holds for it (row,
+        penalty slot). Siblings still waiting for an ended request's prompt end with it.
+        Returns every request ended (the given ones first)."""
+        ended = [r for r in requests if not r.status.finished]
+        for r in list(ended):
+            for sibling in r.pending_siblings or ():
+                sibling.error = r.error
+                ended.append(sibling)
+        running = {id(r) for r in ended if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        for r in ended:
+            if r.status != RequestStatus.RUNNING:
+                parent = self.requests.get(r.parent_request_id or "")
+                if parent is not None and r in (parent.pending_siblings or ()):
+                    parent.pending_siblings.remove(r)  # never forked: holds nothing
+                elif r in self.waiting:
+                    self.waiting.remove(r)
             self.kv.free(r)
             self.requests.pop(r.request_id, None)
             r.status = status
+            r.pending_siblings = None
+            self.released_req_ids.append(r.request_id)
+        return ended
+
+    def take_released_req_ids(self) -> list[str]:
+        """Requests that left the running set since the last call (ended or preempted): the
+        runner releases their rows. Drained by the engine after every operation."""
+        out, self.released_req_ids = self.released_req_ids, []
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -254,6 +273,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
         out.preempted.append(request)
+        self.released_req_ids.append(request.request_id)
 
     @staticmethod
     def _unschedule(request: Request, out: SchedulerOutput, index: dict[str, int]) -> int:
@@ -264,19 +284,6 @@ class Scheduler:
             if p > pos:
                 index[rid] = p - 1
         return num
-
-    @staticmethod
-    def _check_stop(request: Request) -> bool:
-        """Set the finished status if the request's last token ends it."""
-        if request.all_token_ids[-1] in request.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif len(request.all_token_ids) >= request.max_total_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH
-        elif request.stop_checkers is not None and should_stop(request):
-            request.status = RequestStatus.FINISHED_STOPPED  # a stop string or user criterion
-        else:
-            return False
-        return True
 
     def _fork_siblings(self, parent: Request, fork_tokens: dict | None) -> list[Request]:
         """The parent's prompt is computed and it sampled its first token: its siblings take its
@@ -307,38 +314,61 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, runner_output: ModelRunnerOutput, launched: bool = False
     ) -> tuple[list[Request], list[Request]]:
-        """Advance progress (unless on_launched already did), append sampled tokens, finish
-        requests that stop. Returns (requests that got a token, requests that finished).
+        """Advance progress (unless on_launched already did), append sampled tokens, end requests
+        that stop or whose user code raised. Returns (requests that got a token, requests that
+        ended). An exception in one request's user code (runner_output.failed: a logits
+        processor; here: a stopping criterion) ends that request with FINISHED_ERROR and the
+        exception on it; the other requests of the step go on as usual.
         With asynchronous scheduling, a request may have finished or been preempted since the
         step was launched: a finished one drops its token (computed past its end), a preempted
         one keeps it."""
         advanced: list[Request] = []
-        finished: list[Request] = []
+        ended: dict[RequestStatus, list[Request]] = {}
+        failed = runner_output.failed
         for request, num, token in zip(
             out.requests, out.num_scheduled_tokens, runner_output.sampled_token_ids
         ):
             if not launched:
                 request.num_computed_tokens += num
-            if token < 0 or request.status.finished:
+            if request.status.finished:
+                continue
+            if failed and request.request_id in failed:
+                request.error = failed[request.request_id]
+                ended.setdefault(RequestStatus.FINISHED_ERROR, []).append(request)
+                continue
+            if token < 0:
                 continue
             if launched:
                 request.num_pending -= 1
             request.all_token_ids.append(token)
             advanced.append(request)
-            preempted = request.status == RequestStatus.PREEMPTED  # since the launch
             if request.pending_siblings:  # before the parent may finish and free its blocks
                 for sibling in self._fork_siblings(request, runner_output.fork_token_ids):
                     advanced.append(sibling)
-                    if self._check_stop(sibling):
-                        finished.append(sibling)
-            if self._check_stop(request):
-                finished.append(request)
-                if preempted:
-                    self.waiting.remove(request)
-        if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-            for request in finished:
-                self.kv.free(request)
-                del self.requests[request.request_id]
+                    self._check_stop(sibling, ended)
+            self._check_stop(request, ended)
+        finished: list[Request] = []
+        for status, requests in ended.items():
+            finished += self.end_requests(requests, status)
         return advanced, finished
+
+    @staticmethod
+    def _check_stop(request: Request, ended: dict[RequestStatus, list[Request]]) -> None:
+        """File the request under the finished status its last token gives it, if any. A stop
+        string or user criterion runs the user's code: if it raises, this request fails alone
+        (FINISHED_ERROR, the exception on it)."""
+        if request.all_token_ids[-1] in request.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif len(request.all_token_ids) >= request.max_total_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif request.stop_checkers is None:
+            return
+        else:
+            try:
+                if not should_stop(request):
+                    return
+                status = RequestStatus.FINISHED_STOPPED  # a stop string or user criterion
+            except Exception as exc:
+                request.error = exc
+                status = RequestStatus.FINISHED_ERROR
+        ended.setdefault(status, []).append(request)

@@ -12,6 +12,8 @@ every unfinished row has its k-th token.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from hf_paged.request import RequestOutput
@@ -19,40 +21,64 @@ from hf_paged.request import RequestOutput
 
 class RequestStream:
     """Iterator of RequestOutput for a set of queued requests (see Engine.stream). Closing it, or
-    leaving its `with` block, before the end aborts the requests that have not finished."""
+    leaving its `with` block, before the end aborts the requests that have not finished.
+
+    Any thread's Engine.step() delivers this stream's outputs into its buffer (deliver). When the
+    buffer is empty, the iterating thread takes the engine's lock and steps the engine itself, so
+    concurrent streams share the steps: whoever holds the lock advances everyone's requests."""
 
     def __init__(self, engine, request_ids: list[str]) -> None:
         self.engine = engine
         self.request_ids = list(request_ids)
         self._remaining = set(request_ids)
-        self._buffer: list[RequestOutput] = []
+        self._buffer: deque[RequestOutput] = deque()
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Called by Engine.step (under the engine's lock) for each output of our requests."""
+        self._buffer.append(out)
+        if out.finished:
+            self._remaining.discard(out.request_id)
+
+    def poll(self) -> list[RequestOutput]:
+        """The outputs delivered so far and not yet taken, without stepping the engine (for a
+        caller whose requests are stepped by someone else: another thread, a server loop)."""
+        out = []
+        while self._buffer:
+            out.append(self._buffer.popleft())
+        return out
 
     def __iter__(self) -> RequestStream:
         return self
 
     def __next__(self) -> RequestOutput:
         engine = self.engine
-        while not self._buffer:
-            if not self._remaining:
-                raise StopIteration
-            outputs = engine.step()
-            for out in outputs:
-                if out.request_id in self._remaining:
-                    if out.finished:
-                        self._remaining.discard(out.request_id)
-                    self._buffer.append(out)
-            if not outputs:  # aborted from outside: nothing more will come for those
-                live = engine.scheduler.requests
-                self._remaining = {rid for rid in self._remaining if rid in live}
-        return self._buffer.pop(0)
+        while True:
+            try:
+                return self._buffer.popleft()
+            except IndexError:
+                pass
+            with engine._lock:  # decide under the lock: a step may be delivering right now
+                if self._buffer:
+                    continue
+                if not self._remaining:
+                    raise StopIteration
+                engine.step()
+                if not self._buffer and not engine.has_unfinished_requests():
+                    # every request ends with a final output; none can be left waiting here
+                    raise RuntimeError(
+                        f"requests {sorted(self._remaining)[:5]} ended without a final output"
+                    )
 
     def close(self) -> None:
-        live = self.engine.scheduler.requests
-        for rid in sorted(self._remaining):
-            if rid in live:
-                self.engine.abort(rid)
-        self._remaining.clear()
-        self._buffer.clear()
+        engine = self.engine
+        with engine._lock:
+            live = engine.scheduler.requests
+            for rid in sorted(self._remaining):
+                if rid in live:
+                    engine._abort(rid, report=False)
+                engine._streams.pop(rid, None)
+            self._remaining.clear()
+            self._buffer.clear()
 
     def __enter__(self) -> RequestStream:
         return self
@@ -62,7 +88,7 @@ class RequestStream:
 
     def __del__(self) -> None:
         try:
-            if self._remaining:
+            if self._remaining and not self.engine._closed:
                 self.close()
         except Exception:  # interpreter shutdown: nothing left to release
             pass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hf_paged.attention import ATTN_IMPLEMENTATION, register
 
-_PREV_ATTN = "_hf_paged_prev_attn_implementation"
+_LEASE = "_hf_paged_lease"
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -26,19 +28,52 @@ def check_supported(model: torch.nn.Module) -> None:
         )
 
 
-def enable_paged_attention(model: torch.nn.Module) -> None:
+class ModelLease:
+    """Who holds a model's attention routing: every live Engine built on it. The first one in
+    switches the model to paged attention (keeping what it ran before), the last one out
+    switches it back and puts fused projections back, so an Engine never finds its model
+    unpatched under it by another Engine's shutdown (unpatch, a second patch, a pipeline)."""
+
+    def __init__(self, previous: str) -> None:
+        self.owners: weakref.WeakSet = weakref.WeakSet()
+        self.previous = previous  # the attention implementation to restore
+        self.fused = False  # some owner fused q/k/v and gate/up projections
+
+
+def enable_paged_attention(model: torch.nn.Module, owner: object) -> ModelLease:
+    """Route the model's attention through hf_paged on behalf of `owner` (an Engine)."""
     check_supported(model)
     register()
-    current = model.config._attn_implementation
-    if current != ATTN_IMPLEMENTATION:
-        setattr(model, _PREV_ATTN, current)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise ValueError(f"model: {type(model).__name__} refused attn_implementation='hf_paged'")
+    lease = model.__dict__.get(_LEASE)
+    if lease is None or not lease.owners:
+        current = model.config._attn_implementation
+        if current != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"model: {type(model).__name__} refused attn_implementation='hf_paged'"
+            )
+        if lease is None:
+            lease = ModelLease(current)
+            model.__dict__[_LEASE] = lease
+    lease.owners.add(owner)
+    return lease
 
 
-def disable_paged_attention(model: torch.nn.Module) -> None:
-    prev = getattr(model, _PREV_ATTN, None)
-    if prev is not None:
-        model.set_attn_implementation(prev)
-        delattr(model, _PREV_ATTN)
+def disable_paged_attention(model: torch.nn.Module, owner: object) -> bool:
+    """`owner` gives up the model. The last owner out restores the attention implementation the
+    model had and returns True (the caller then undoes what it changed on the model)."""
+    lease = model.__dict__.get(_LEASE)
+    if lease is None:
+        return False
+    lease.owners.discard(owner)
+    if lease.owners:
+        return False
+    del model.__dict__[_LEASE]
+    if lease.previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(lease.previous)
+    return True
+
+
+def paged_attention_active(model: torch.nn.Module) -> bool:
+    return model.config._attn_implementation == ATTN_IMPLEMENTATION

@@ -97,13 +97,21 @@ def test_step_api_streams_and_abort_keeps_others_going(tiny_model):
     for out in engine.step() + engine.step():
         seen[out.request_id].extend(out.new_token_ids)
     engine.abort(a)
+    aborted = []
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.request_id == a:  # its final output, once, on the next step
+                aborted.append(out)
+                continue
             assert out.request_id == b
             seen[b].extend(out.new_token_ids)
             if out.finished:
                 assert out.output_token_ids == seen[b] and out.finish_reason == "length"
     assert len(seen[b]) == 20 and len(seen[a]) == 2
+    assert [(o.finished, o.finish_reason, o.new_token_ids) for o in aborted] == [
+        (True, "abort", [])
+    ]
+    assert aborted[0].output_token_ids == seen[a]
     engine.check_invariants()
 
 

@@ -181,5 +181,13 @@ def test_abort_parent_before_fork_aborts_siblings(tiny_model):
     assert f"{rid}#2" in engine.scheduler.requests
     engine.abort(f"{rid}#2")
     engine.abort(rid)
+    # nothing left to run; the next step reports the three final outputs
+    assert not engine.scheduler.has_unfinished_requests()
+    outs = engine.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [
+        (rid, "abort"),
+        (f"{rid}#1", "abort"),
+        (f"{rid}#2", "abort"),
+    ]
     assert not engine.has_unfinished_requests()
     engine.check_invariants()
