@@ -87,6 +87,10 @@ class Walk:
         ]
         self.refs: dict[tuple, list[int]] = {}
         self.tracked: list[Tracked] = []
+        self.active: list[Tracked] = []  # with a request that has no final output yet
+        # the queue stays a few batches deep, so a long walk keeps exercising admission and
+        # preemption instead of only growing its backlog
+        self.max_live = 3 * self.options["max_num_seqs"]
         self.threads = threads
         self.ops = {"add": 0, "step": 0, "abort": 0, "generate": 0}
 
@@ -157,6 +161,7 @@ class Walk:
         for rid in t.stream.request_ids:
             t.outputs[rid] = []
         self.tracked.append(t)
+        self.active.append(t)
 
     def step(self) -> None:
         self.engine.step()
@@ -164,7 +169,7 @@ class Walk:
     def abort(self) -> None:
         live = [
             (t, rid)
-            for t in self.tracked
+            for t in self.active
             for rid in t.outputs
             if rid in self.engine.scheduler.requests
         ]
@@ -194,9 +199,11 @@ class Walk:
         assert torch.equal(got, want), (rows, kwargs)
 
     def poll(self) -> None:
-        for t in self.tracked:
+        for t in list(self.active):
             for out in t.stream.poll():
                 t.outputs[out.request_id].append(out)
+            if all(outs and outs[-1].finished for outs in t.outputs.values()):
+                self.active.remove(t)
 
     # -- the walk --------------------------------------------------------------------------------
 
@@ -220,7 +227,7 @@ class Walk:
         try:
             for _ in range(num_ops):
                 x = self.rnd.random()
-                if x < 0.3:
+                if x < 0.3 and len(self.active) < self.max_live:
                     op = "add"
                     self.add()
                 elif x < 0.85:
