@@ -224,19 +224,15 @@ def beam_generate(engine, plan, batches) -> list:
     groups_per_batch: list[list[BeamGroup]] = []
     all_groups: list[BeamGroup] = []
     try:
-        with engine._lock:  # each group's requests are set up before any step sees them
-            engine._check_open()
-            for b in batches:
-                groups = []
-                for prompt in b.prompts:
-                    groups.append(_add_group(engine, plan, prompt, nb, b))
-                groups_per_batch.append(groups)
-                all_groups.extend(groups)
-        while not all(g.done for g in all_groups):
-            engine.step()  # any thread's step advances these groups too
-            for g in all_groups:
-                if g.error is not None:
-                    raise g.error
+        engine._check_open()
+        for b in batches:
+            groups = []
+            for prompt in b.prompts:
+                groups.append(_add_group(engine, plan, prompt, nb, b))
+            groups_per_batch.append(groups)
+            all_groups.extend(groups)
+        # any thread's step advances these groups; an error in a group's user code ends it
+        engine._wait_or_step(lambda: all(g.done for g in all_groups))
     except BaseException:
         with engine._lock:
             for g in all_groups:
@@ -244,7 +240,7 @@ def beam_generate(engine, plan, batches) -> list:
                     g._finish(RequestStatus.FINISHED_ABORTED)
             engine._beam_groups -= set(all_groups)
         raise
-    for g in all_groups:  # finished by another thread's step
+    for g in all_groups:
         if g.error is not None:
             raise g.error
     return [_outputs(gen, b, groups, nrs) for b, groups in zip(batches, groups_per_batch)]
@@ -264,8 +260,8 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
         logits_processors=plan.processors,
         beam_search=True,
     )
-    rid = engine._add_request(prompt, params, None, 0)
-    root = engine.scheduler.requests[rid]
+    root = engine._make_requests(prompt, params, None, 0)[0]
+    rid = root.request_id
     group = BeamGroup(engine, root, nb, plan, batch.max_new)
     root.beam = group
     # the other beams: pending siblings of the root (admission reserves their seats)
@@ -281,11 +277,20 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
         )
         s.parent_request_id = rid
         s.beam = group
-        engine.scheduler.requests[s.request_id] = s
         siblings.append(s)
-    root.pending_siblings = siblings
-    engine._beam_groups.add(group)
+    engine._submit([root, *siblings], lambda: _admit_group(engine, group, siblings))
     return group
+
+
+def _admit_group(engine, group: BeamGroup, siblings: list[Request]) -> None:
+    """At the start of a step (under the step lock): the root queued, its beams known."""
+    if group.done:  # the call failed before its group was admitted
+        return
+    for s in siblings:
+        engine.scheduler.requests[s.request_id] = s
+    group.root.pending_siblings = siblings
+    engine._beam_groups.add(group)
+    engine.scheduler.add_request(group.root)
 
 
 def _outputs(gen, batch, groups: list[BeamGroup], nrs: int):

@@ -113,13 +113,18 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:
-                if self.cached_blocks.get(block.block_hash) is block:
-                    del self.cached_blocks[block.block_hash]
-                block.block_hash = None
+                self.uncache(block)
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget the block's hash (it is being reused, or its contents were never computed)."""
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to prefix-cache hits; a hit that was free leaves the free queue."""

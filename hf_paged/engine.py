@@ -12,6 +12,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from functools import partial
 from numbers import Integral
 
 import torch
@@ -29,12 +30,17 @@ from hf_paged.streaming import RequestStream
 
 
 class Engine:
-    """Thread rules: every public method may be called from any thread. add_request, abort and
-    step hold one lock for their whole run, so they never interleave; each step serves every
-    live request, whoever added it. RequestStream (Engine.stream / generate, and so
-    model.generate) delivers each output to the stream that owns the request, whichever thread
-    stepped: concurrent generate calls share one continuously batched run, and each caller
-    waits for its own requests only.
+    """Thread rules: every public method may be called from any thread.
+    - add_request / stream validate in the caller's thread (tokenising too) and put the new
+      requests in an inbox; they never wait for a step in progress. The next step admits them.
+    - step() runs under the engine's lock, one at a time; each step serves every live request,
+      whoever added it, and delivers each output to the RequestStream that owns its request.
+      Streams (Engine.stream / generate, and so model.generate) take turns stepping: one thread
+      steps while the others wait for their outputs, so concurrent generate calls share one
+      continuously batched run and each caller waits for its own requests only.
+    - abort() acts at once when no step is running, else at the start of the next step.
+    - A callback that runs inside a step (a stopping criterion, a logits processor, a streamer)
+      may call add_request or abort; they take effect at the next step.
 
     While it lives, an Engine holds its model's attention routing (a ModelLease shared by every
     Engine on the model): unpatching or shutting down another Engine leaves this one working;
@@ -46,7 +52,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = EngineConfig.from_options(**options)
-        self._lock = threading.RLock()
+        # the lock a step holds; the inbox and its lock, which adding never waits behind
+        self._lock = threading.Lock()
+        self._inbox_lock = threading.Lock()
+        self._inbox: list = []  # actions (admissions, aborts) the next step runs first
+        self._reserved: set[str] = set()  # request ids in the inbox, not admitted yet
+        # streams waiting for outputs: one of them steps (_stepping), the others wait here
+        self._turn = threading.Condition()
+        self._stepping = False
         self._closed = False
         self._lease = enable_paged_attention(model, self)
         try:
@@ -127,12 +140,47 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
-        with self._lock:
-            self._check_open()
-            return self._add_request(prompt, params, request_id, priority)
+        """Queue a request; returns its id. Bad input raises ValueError and changes nothing.
+        The request joins at the next step."""
+        self._check_open()
+        requests = self._make_requests(prompt, params, request_id, priority)
+        self._submit(requests, partial(self._admit, requests))
+        return requests[0].request_id
 
-    def _add_request(self, prompt, params, request_id, priority) -> str:
+    def _submit(self, requests: list[Request], action, stream=None) -> None:
+        """Put an admission in the inbox, refusing ids already live or queued (checked under the
+        inbox lock, which the step's admission holds too: no id can slip between the two)."""
+        with self._inbox_lock:
+            for r in requests:
+                if r.request_id in self.scheduler.requests or r.request_id in self._reserved:
+                    raise ValueError(f"request_id {r.request_id!r} already exists")
+            self._reserved.update(r.request_id for r in requests)
+            if stream is not None:
+                for r in requests:
+                    self._streams[r.request_id] = stream
+            self._inbox.append(action)
+
+    def _admit_inbox(self) -> None:
+        """Run what the inbox holds, in order (under the step lock, at the start of a step)."""
+        with self._inbox_lock:
+            actions, self._inbox = self._inbox, []
+            for action in actions:
+                action()
+            self._reserved.clear()
+
+    def _admit(self, requests: list[Request]) -> None:
+        parent = requests[0]
+        if parent.status.finished:  # its stream closed before it was admitted
+            return
+        if len(requests) > 1:
+            parent.pending_siblings = requests[1:]
+            for sibling in requests[1:]:  # known to the scheduler, queued nowhere until the fork
+                self.scheduler.requests[sibling.request_id] = sibling
+        self.scheduler.add_request(parent)
+
+    def _make_requests(self, prompt, params, request_id, priority) -> list[Request]:
+        """Validate one prompt's request and build it (with its n - 1 siblings); touches no
+        engine state, so it runs in the caller's thread."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -140,8 +188,6 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} already exists")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if params.n > self.config.max_num_seqs:
@@ -167,11 +213,9 @@ class Engine:
         stop.update(params.stop_token_ids or ())
         _check_vocab(params, self.vocab_size)
         stop_checkers = build_stop_checkers(params, self.tokenizer)
-        siblings = []
+        requests = []
         for index in range(params.n):
             rid = request_id if index == 0 else f"{request_id}#{index}"
-            if rid in self.scheduler.requests:
-                raise ValueError(f"request_id {rid!r} already exists")
             generator = None
             if params.seed is not None:  # sibling k: its own stream, derived from the seed
                 seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
@@ -195,14 +239,8 @@ class Engine:
                 and not params.prompt_logprobs
                 and params.n == 1
             )
-            siblings.append(request)
-        parent = siblings[0]
-        if params.n > 1:
-            parent.pending_siblings = siblings[1:]
-            for sibling in siblings[1:]:  # known to the scheduler, queued nowhere until the fork
-                self.scheduler.requests[sibling.request_id] = sibling
-        self.scheduler.add_request(parent)
-        return request_id
+            requests.append(request)
+        return requests
 
     def _prompt_token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -235,22 +273,37 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        """End a live request now: its blocks and row are free at once, and the next step()
-        reports its final output (finish_reason "abort"), and that of siblings that had not
-        started yet. Other requests are untouched."""
-        with self._lock:
-            self._abort(request_id, report=True)
+        """End a live request: its blocks and row are freed, and the next step() reports its
+        final output (finish_reason "abort"), and that of siblings that had not started yet.
+        Acts at once when no step is running, else at the start of the next step (a request that
+        finishes first keeps its own ending). Other requests are untouched."""
+        self._abort(request_id, report=True)
 
     def _abort(self, request_id: str, report: bool) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        with self._inbox_lock:
+            if request_id not in self.scheduler.requests and request_id not in self._reserved:
+                raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
+        action = partial(self._end_by_abort, request_id, report)
+        if self._lock.acquire(blocking=False):  # no step running (nor in this thread's stack)
+            try:
+                self._admit_inbox()
+                action()
+            finally:
+                self._lock.release()
+        else:
+            with self._inbox_lock:
+                self._inbox.append(action)
+
+    def _end_by_abort(self, request_id: str, report: bool) -> None:
         if request_id not in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
+            return  # it ended on its own meanwhile
         ended = self.scheduler.abort_request(request_id)
         self._release_rows()
         if report:
             self._queued += [_make_output(r, 0) for r in ended]
-        else:  # the stream that owns them is closing: nobody waits for their outputs
+        else:  # the stream that owns them has closed: nobody waits for their outputs
             for r in ended:
                 self._streams.pop(r.request_id, None)
 
@@ -261,9 +314,8 @@ class Engine:
             self.runner.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests still to run, or final outputs (of aborts) that step() has yet to report."""
-        with self._lock:
-            return self.scheduler.has_unfinished_requests() or bool(self._queued)
+        """Requests to run or to admit, or final outputs (of aborts) step() has yet to report."""
+        return self.scheduler.has_unfinished_requests() or bool(self._queued or self._inbox)
 
     # -- stepping ----------------------------------------------------------------------------------
 
@@ -274,6 +326,7 @@ class Engine:
         RequestStream that owns its request, if any (see the class docstring)."""
         with self._lock:
             self._check_open()
+            self._admit_inbox()
             outputs, self._queued = self._queued, []
             try:
                 if self.config.async_scheduling:
@@ -282,19 +335,50 @@ class Engine:
                     outputs += self._step_sync()
             finally:
                 self._release_rows()
-            self._route(outputs)
-            return outputs
+            delivered = self._route(outputs)
+        if delivered:
+            with self._turn:  # streams waiting for their turn: some have outputs now
+                self._turn.notify_all()
+        return outputs
 
-    def _route(self, outputs: list[RequestOutput]) -> None:
+    def _wait_or_step(self, ready) -> None:
+        """Return once ready() holds, stepping the engine meanwhile: one waiting thread steps
+        (for everyone), the others sleep until its step ends or delivers to them. Used by
+        RequestStream and beam search, so concurrent callers take turns instead of queueing on
+        the step lock (which is not fair: the stepping thread would take it again at once)."""
+        turn = self._turn
+        while True:
+            with turn:
+                while not ready():
+                    if not self._stepping:
+                        self._stepping = True
+                        break
+                    turn.wait()
+                else:
+                    return
+            try:
+                self.step()
+            finally:
+                with turn:
+                    self._stepping = False
+                    turn.notify_all()
+            if not ready() and not self.has_unfinished_requests():
+                # every request ends with a final output: nothing can be left to wait for
+                raise RuntimeError("the engine has no requests left but an awaited one never ended")
+
+    def _route(self, outputs: list[RequestOutput]) -> bool:
         streams = self._streams
         if not streams:
-            return
+            return False
+        delivered = False
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is not None:
                 stream.deliver(out)
+                delivered = True
                 if out.finished:
                     del streams[out.request_id]
+        return delivered
 
     def _step_sync(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -423,23 +507,24 @@ class Engine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        ids: list[str] = []
-        with self._lock:  # queued and subscribed at once: no step can report to nobody between
-            self._check_open()
-            try:
-                for prompt, p in zip(prompts, params):
-                    rid = self._add_request(prompt, p, None, 0)
-                    n = 1 if p is None else p.n
-                    ids += [rid] + [f"{rid}#{k}" for k in range(1, n)]
-            except ValueError:
-                for rid in ids:
-                    if rid in self.scheduler.requests:
-                        self._abort(rid, report=False)
-                raise
-            stream = RequestStream(self, ids)
-            for rid in ids:
-                self._streams[rid] = stream
+        self._check_open()
+        requests: list[Request] = []
+        for prompt, p in zip(prompts, params):  # every prompt validated before any is queued
+            requests += self._make_requests(prompt, p, None, 0)
+        stream = RequestStream(self, [r.request_id for r in requests])
+        self._submit(requests, partial(self._admit_all, requests), stream)
         return stream
+
+    def _admit_all(self, requests: list[Request]) -> None:
+        """Admit each prompt's request with its siblings (consecutive in `requests`)."""
+        group: list[Request] = []
+        for r in requests:
+            if r.sibling_index == 0 and group:
+                self._admit(group)
+                group = []
+            group.append(r)
+        if group:
+            self._admit(group)
 
     # -- introspection -----------------------------------------------------------------------------
 
@@ -510,8 +595,8 @@ class Engine:
                     assert pool.owners[slot].request_id == rid, f"penalty row {slot} mixed up"
                 held = sum(owner is not None for owner in pool.owners)
                 assert held == len(pool.slot_of), "penalty rows held outside the index"
-            queued = {out.request_id for out in self._queued}
-            assert set(self._streams) <= set(live) | queued, "a stream waits for nobody"
+            waited = set(live) | {out.request_id for out in self._queued} | self._reserved
+            assert set(self._streams) <= waited, "a stream waits for nobody"
             for group in self._beam_groups:
                 assert all(b.request_id in live for b in group.beams), "a beam ended early"
             if not sched.has_unfinished_requests():

@@ -205,12 +205,17 @@ class KVCacheManager:
         return copies, changed
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last first, so its tail is evicted before its prefix."""
+        """Release the request's blocks, last first, so its tail is evicted before its prefix.
+        Blocks published for tokens it never computed lose their hash first: allocate_slots
+        publishes a step's blocks before the step runs, and a request preempted later in the
+        same schedule() never runs it, so their KV was never written."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         self.req_to_block_ids.pop(rid, None)
-        self.num_cached_blocks.pop(rid, None)
+        num_cached = self.num_cached_blocks.pop(rid, 0)
         if blocks:
+            for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
+                self.block_pool.uncache(block)
             self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

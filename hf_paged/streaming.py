@@ -24,8 +24,8 @@ class RequestStream:
     leaving its `with` block, before the end aborts the requests that have not finished.
 
     Any thread's Engine.step() delivers this stream's outputs into its buffer (deliver). When the
-    buffer is empty, the iterating thread takes the engine's lock and steps the engine itself, so
-    concurrent streams share the steps: whoever holds the lock advances everyone's requests."""
+    buffer is empty, the iterating thread steps the engine itself, or waits while another
+    waiting thread does (Engine._wait_or_step): concurrent streams share the steps."""
 
     def __init__(self, engine, request_ids: list[str]) -> None:
         self.engine = engine
@@ -51,34 +51,28 @@ class RequestStream:
         return self
 
     def __next__(self) -> RequestOutput:
-        engine = self.engine
         while True:
-            try:
+            if self._buffer:
                 return self._buffer.popleft()
-            except IndexError:
-                pass
-            with engine._lock:  # decide under the lock: a step may be delivering right now
+            if not self._remaining:  # deliver() appends before it discards: nothing is lost
                 if self._buffer:
                     continue
-                if not self._remaining:
-                    raise StopIteration
-                engine.step()
-                if not self._buffer and not engine.has_unfinished_requests():
-                    # every request ends with a final output; none can be left waiting here
-                    raise RuntimeError(
-                        f"requests {sorted(self._remaining)[:5]} ended without a final output"
-                    )
+                raise StopIteration
+            self.engine._wait_or_step(self._ready)
+
+    def _ready(self) -> bool:
+        return bool(self._buffer) or not self._remaining
 
     def close(self) -> None:
         engine = self.engine
-        with engine._lock:
-            live = engine.scheduler.requests
-            for rid in sorted(self._remaining):
-                if rid in live:
-                    engine._abort(rid, report=False)
-                engine._streams.pop(rid, None)
-            self._remaining.clear()
-            self._buffer.clear()
+        for rid in sorted(self._remaining):
+            engine._streams.pop(rid, None)
+            try:
+                engine._abort(rid, report=False)
+            except ValueError:  # ended meanwhile (or a sibling ended with its parent)
+                pass
+        self._remaining.clear()
+        self._buffer.clear()
 
     def __enter__(self) -> RequestStream:
         return self

@@ -43,6 +43,7 @@ def test_repeated_prompt_computes_at_most_one_block(prompt_len):
     first = make_request("a", range(prompt_len))
     assert kv.get_computed_blocks(first) == ([], 0)
     kv.allocate_slots(first, prompt_len)
+    first.num_computed_tokens = prompt_len  # the step ran
     kv.free(first)
     second = make_request("b", range(prompt_len))
     hits, num_hit = kv.get_computed_blocks(second)
@@ -84,6 +85,7 @@ def test_hits_from_the_free_queue_count_against_free_blocks():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a = make_request("a", range(16))
     kv.allocate_slots(a, 16)
+    a.num_computed_tokens = 16  # the step ran
     kv.free(a)  # 4 cached blocks, all free
     b = make_request("b", list(range(12)) + [99, 98, 97, 96, 95])
     hits, num_hit = kv.get_computed_blocks(b)
@@ -92,3 +94,24 @@ def test_hits_from_the_free_queue_count_against_free_blocks():
     assert kv.allocate_slots(b, 5, hits) is None
     kv.check_invariants()
     assert kv.get_num_free_blocks() == 4
+
+
+def test_free_unpublishes_blocks_whose_tokens_were_never_computed():
+    """allocate_slots publishes the blocks a step will fill before the step runs. A request
+    preempted later in the same schedule() never runs that step: freeing it must take those
+    hashes out of the prefix cache, or a request with the same prefix would reuse KV that was
+    never written (the random engine walk found wrong greedy tokens this way)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = make_request("r", range(3, 17))  # 14 tokens
+    r.num_computed_tokens = 4  # its first block was computed by an earlier step
+    kv.allocate_slots(r, 10)  # this step's chunk: publishes blocks 1 and 2 before the forward
+    kv.free(r)  # preempted before the step ran for it
+    twin = make_request("twin", list(range(3, 17)) + [5, 6])
+    assert kv.get_computed_blocks(twin)[1] == 4  # block 0 only
+    kv.check_invariants()
+    # blocks that were computed stay shareable after a normal finish
+    r2 = make_request("r2", range(3, 17))
+    kv.allocate_slots(r2, 14)
+    r2.num_computed_tokens = 14
+    kv.free(r2)
+    assert kv.get_computed_blocks(twin)[1] == 12
