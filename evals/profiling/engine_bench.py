@@ -1,74 +1,63 @@
 """Engine-only W1 and batch-1 benchmark with a per-phase breakdown (no baselines: see run.py).
 
-    python evals/engine_bench.py compile=0 cuda_graphs=1
+    python evals/profiling/engine_bench.py [--only batch1] [--shape llama-3-8b] [--kernels]
+        [--batches 1,2,4,8] [--workload FILE] [--host-profile torch|cprofile]
+        [engine options: --compile 0 --small-batch-rows 0 --max-graph-tokens 0 ...]
 
-TinyLlama-1.1B shape (or shape=...), bf16, random weights; W1 as evals/workloads.py defines it
+TinyLlama-1.1B shape (or --shape), bf16, random weights; W1 as evals/workloads.py defines it
 (256 requests, prompts 64-512 random tokens, 256 output tokens, EOS ignored). Warm-up on 8
 real-length prompts first (Triton JIT, graphs). Prints start-up, graph-capture time, output
 tokens/s and the wall seconds spent in schedule / execute / update over the run, then batch-1
-decode tokens/s, then a steady-state breakdown at 256 and at 1 running decodes: wall per step,
-GPU busy per step (union of kernel intervals from torch.profiler) and kernels launched per step.
+decode tokens/s (one 128-token prompt, 512 new tokens, twice: the first run shows first-use
+compiles), then a steady-state breakdown at 256 and at 1 running decodes: wall per step, GPU
+busy per step (union of kernel intervals from torch.profiler) and kernels launched per step.
+--kernels adds each kernel's launches and time; with --only batch1 also a timeline of the last
+steps and the layer chain's critical path by kernel (each kernel's end minus the previous one's).
 
-    python evals/engine_bench.py shape=llama-3-8b workload=evals/results/sharegpt-1000.json \
-        kernels=1 host_profile=torch
-
-workload=FILE runs batch-1 (twice: the first run shows first-use compiles) and then the workload
-file through add_request/step, counting decode-only and mixed steps, with a 40-step profile window
-from the middle of the run (GPU busy, step() wall by kind of step; kernels=1 its kernel table;
-host_profile=torch|cprofile where the host time goes).
+--workload FILE runs batch-1 and then the workload file through add_request/step, counting
+decode-only and mixed steps, with a 40-step profile window from the middle of the run (GPU busy,
+step() wall by kind of step; --kernels its kernel table; --host-profile where the host time
+goes).
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
-import importlib
-import importlib.util
 import io
 import pstats
-import sys
 import time
 from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # evals/kernels.py must not shadow the PyPI `kernels` package
-
-import torch  # noqa: E402
+import torch
+from bench_setup import SHAPES, add_engine_options, build_model, engine_options, w1_prompts
 
 
 def main() -> None:
     from hf_paged import Engine, SamplingParams
 
-    opts = dict(arg.split("=") for arg in sys.argv[1:])
-    shape = opts.pop("shape", "tinyllama-1.1b")  # any evals/models.py shape, e.g. llama-3-8b
-    only = opts.pop("only", "all")  # "batch1": skip W1 and the 256-running breakdown
-    workload = opts.pop("workload", None)  # a workload .json: run it, profile a window of steps
-    # host time in the workload's window: 1 / cprofile (Python frames), torch (torch.profiler CPU
-    # ops next to the CUDA kernels: self CPU time per op, which cProfile's wrappers distort)
-    raw = opts.pop("host_profile", "0")
-    host_profile = {"0": None, "1": "cprofile"}.get(raw, raw)
-    if host_profile not in (None, "cprofile", "torch"):
-        raise SystemExit(f"host_profile must be 0, 1, cprofile or torch, got {raw!r}")
-    table = opts.pop("kernels", "0") == "1"  # kernels=1: per-kernel launches in the breakdown
-    opts_batches = opts.pop("batches", None)
-    if "compile_scope" in opts:  # model | layers (the only string option)
-        scope = opts.pop("compile_scope")
-    else:
-        scope = None
-    opts = {
-        k: (v == "1")
-        if k in ("compile", "cuda_graphs", "async_scheduling", "fuse_projections")
-        else int(v)
-        for k, v in opts.items()
-    }
-    spec = importlib.util.spec_from_file_location("evals_run", Path(__file__).parent / "run.py")
-    run_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_py)
-    run_py.load_package()  # evals/ as the package hf_paged_evals
-    models = importlib.import_module("hf_paged_evals.models")
-    model = models.build_random_model(shape, torch.bfloat16, torch.device("cuda"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="tinyllama-1.1b", choices=SHAPES)
+    parser.add_argument(
+        "--only", choices=("all", "batch1"), default="all", help="batch1: skip W1 and 256 running"
+    )
+    parser.add_argument("--workload", help="a workload .json: run it, profile a window of steps")
+    # host time in the workload's window: cprofile (Python frames), torch (torch.profiler CPU ops
+    # next to the CUDA kernels: self CPU time per op, which cProfile's wrappers distort)
+    parser.add_argument("--host-profile", choices=("cprofile", "torch"), default=None)
+    parser.add_argument(
+        "--kernels", action="store_true", help="per-kernel launches and time in the breakdowns"
+    )
+    parser.add_argument(
+        "--batches", help="decode batch sizes of the steady-state breakdown (default 256,1)"
+    )
+    add_engine_options(parser)
+    args = parser.parse_args()
+    shape, only, workload, host_profile = args.shape, args.only, args.workload, args.host_profile
+    table = args.kernels
+    opts = engine_options(args)
+    model = build_model(shape)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, bf16")
-    if scope is not None:
-        opts["compile_scope"] = scope
     t0 = time.perf_counter()
     eng = Engine(model, **opts)
     print(
@@ -106,18 +95,12 @@ def main() -> None:
             f"batch-1 decode after the first token ({run} run): {n / span:,.0f} tok/s "
             f"({n} tokens, {1000 * span / n:.4f} ms a token)"
         )
-    # batches=1,4,8: the steady-state breakdown at these decode batch sizes (default 256,1)
-    batches = [int(b) for b in opts_batches.split(",")] if opts_batches else None
+    # --batches 1,4,8: the steady-state breakdown at these decode batch sizes (default 256,1)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     for batch in batches or ((256, 1) if only != "batch1" else (1,)):
         print(breakdown(eng, prompts, batch, kernel_table=table))
     if workload is not None:
         print(run_workload(eng, workload, kernel_table=table, host_profile=host_profile))
-
-
-def w1_prompts(vocab_size: int, seed: int) -> list[list[int]]:
-    """W1's prompts, from the harness's own workload definition (evals/workloads.py)."""
-    workloads = importlib.import_module("hf_paged_evals.workloads")
-    return [r.prompt_token_ids for r in workloads.synthetic(vocab_size, seed=seed).requests]
 
 
 def w1(eng, prompts, opts, run: str) -> None:

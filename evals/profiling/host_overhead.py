@@ -1,30 +1,26 @@
 """Host (CPU) time per decode step, split by phase, with the model's forward stubbed out.
 
-    python evals/host_overhead.py running=256 steps=100 [freeze=0]
+    python evals/profiling/host_overhead.py [--running 256] [--steps 100] [--freeze 0]
 
 What the step loop costs the host whatever the model: scheduling, input preparation, the output
 update and building RequestOutputs. With asynchronous scheduling this work overlaps the GPU's,
-so it bounds the step time only when it exceeds the GPU time per step (2.21 ms at 256 running
-decodes for the TinyLlama-1.1B shape on the H200, README Measured). A one-layer, 64-wide Llama
+so it bounds the step time only when it exceeds the GPU time per step (evals/RESULTS.md has both
+for the TinyLlama-1.1B shape on the H200). A one-layer, 64-wide Llama
 stands in for the model (its forward is replaced by a zero-logits stub); runs on CPU.
 
 Also reported: the slowest step and the garbage collections during the timed steps. They run
-inside hf_paged.gc_freeze.frozen_heap(), as Engine.generate does; freeze=0 runs them without it,
+inside hf_paged.gc_freeze.frozen_heap(), as Engine.generate does; --freeze 0 runs them without it,
 to show what full collections of the pre-run heap cost.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
-import sys
 import time
-from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # evals/kernels.py must not shadow the PyPI `kernels` package
-
-import torch  # noqa: E402
+import torch
 
 PHASES = {  # phase -> (owner attribute path on the engine, method)
     "schedule": ("scheduler", "schedule"),
@@ -108,11 +104,14 @@ def measure(
 
 
 def main() -> None:
-    opts = {k: int(v) for k, v in (arg.split("=") for arg in sys.argv[1:])}
-    running = opts.get("running", 256)
-    result = measure(
-        running, opts.get("steps", 100), opts.get("prompt_len", 200), opts.get("freeze", 1) == 1
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, default=256, help="running decode requests")
+    parser.add_argument("--steps", type=int, default=100, help="timed decode steps")
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--freeze", type=int, choices=(0, 1), default=1, help="0: no gc.freeze")
+    args = parser.parse_args()
+    running = args.running
+    result = measure(running, args.steps, args.prompt_len, args.freeze == 1)
     cpu = f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"host time per decode step, {running} running requests, forward stubbed ({cpu}):")
     for name, value in result.items():

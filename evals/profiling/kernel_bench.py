@@ -1,4 +1,6 @@
-"""Benchmark of hf_paged's Triton attention kernels on the GPU (`python evals/kernels.py`).
+"""Benchmark of hf_paged's Triton attention kernels on a GPU.
+
+    python evals/profiling/kernel_bench.py [--quick] [--sweep] [--out FILE]
 
 Prints markdown tables and (with --out) writes the numbers as JSON.
 
@@ -15,11 +17,8 @@ Prints markdown tables and (with --out) writes the numbers as JSON.
 Decode and write_kv are timed as CUDA-graph replays (how the engine runs decode; keeps Python
 launch overhead out of kernel-vs-kernel ratios), L2 flushed before each; prefill and mixed
 batches with triton.testing.do_bench (eager, CUDA events, L2 flushed). Medians throughout.
-Bounds use the H200 ceilings of /work/shared/GPU.md: 4.2 TB/s and 775 TFLOP/s (bf16).
-
-Measured on the H200 (torch 2.11, triton 3.6; copy 4.25 TB/s): decode 82-105% of copy
-bandwidth at batch >= 64 and context >= 2k, 1.5-11x faster than gathered SDPA everywhere;
-prefill 0.84-1.06x the speed of SDPA's flash backend (121-343 TFLOP/s).
+Bounds use the H200's ceilings (bench_setup.py): 4.2 TB/s and 775 TFLOP/s (bf16). Results:
+evals/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -34,14 +33,13 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
+from bench_setup import PEAK_BW, PEAK_FLOPS, bench_graph
 from hf_paged.kernels import paged_attention, write_kv
 from hf_paged.kernels.paged_attention import AttentionConfig, choose_num_kv_splits
 from triton.testing import do_bench
 
 from hf_paged.forward_context import AttentionMetadata
 
-PEAK_BW = 4.2e12  # bytes/s, measured copy bandwidth of the H200 (GPU.md)
-PEAK_FLOPS = 775e12  # bf16 dense matmul, measured (GPU.md)
 HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B attention
 DTYPE = torch.bfloat16
 WARMUP_MS, REP_MS = 10, 60
@@ -50,49 +48,6 @@ WARMUP_MS, REP_MS = 10, 60
 def bench(fn) -> float:
     """Median milliseconds of eager calls (host launch overhead included when it dominates)."""
     return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-
-
-_FLUSH: torch.Tensor | None = None
-
-
-def bench_graph(fn, budget_ms: float = 150.0) -> float:
-    """Median milliseconds of CUDA-graph replays of fn, L2 flushed before each (not timed).
-
-    Decode steps run from CUDA graphs in the engine, so this is the time that matters there; it
-    also keeps Python launch overhead (ours and torch's) out of kernel-vs-kernel comparisons.
-    """
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024**2 // 4, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = torch.cuda.Event(enable_timing=True)
-    t1 = torch.cuda.Event(enable_timing=True)
-    t0.record()
-    graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    reps = int(min(100, max(5, budget_ms / max(t0.elapsed_time(t1), 1e-3))))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        _FLUSH.zero_()
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
-    del graph
-    return times[len(times) // 2]
 
 
 def free_bytes() -> int:
@@ -494,7 +449,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("evals/kernels.py needs a CUDA GPU")
+        sys.exit("evals/profiling/kernel_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     hw = {
