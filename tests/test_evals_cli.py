@@ -60,8 +60,8 @@ def test_bad_dataset_files(tmp_path):
 
 
 def test_script_entry_point_error_line(tmp_path):
-    # As users run it: the script's folder must not shadow anything (evals/kernels.py vs the
-    # PyPI `kernels` package that transformers probes), and no traceback on bad input.
+    # As users run it: the script's folder must not shadow anything (PyPI's `kernels` package,
+    # which transformers probes), and no traceback on bad input.
     env = dict(os.environ, HF_PAGED_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, str(EVALS / "run.py"), "throughput", "--dataset", "nope"],
