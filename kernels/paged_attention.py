@@ -594,11 +594,12 @@ class AttentionConfig:
     one_tile_per_seq: bool  # decode-ish: every sequence's new tokens fit one q-tile
 
 
-# Flash-decoding split heuristic, from H200 sweeps (evals/profiling/kernels.py; Llama-3-8B heads,
-# bf16, CUDA-graph timing): splitting pays while the grid is short of ~8 (seq, kv head, split)
-# programs per SM and each split streams >= ~512 keys (1 seq x 32k: 0.746 -> 0.056 ms with 32
-# splits; 16 x 8k: 0.225 -> 0.150 ms with 9). At 64 seqs it is neutral to slightly worse (64 x 2k:
-# 0.146 ms unsplit, 0.155 with 3): a cut-off at ~2 programs per SM would be a little better there.
+# Flash-decoding split heuristic, from H200 sweeps (evals/profiling/kernel_bench.py --sweep;
+# Llama-3-8B heads, bf16, CUDA-graph timing): splitting pays while the grid is short of ~8
+# (seq, kv head, split) programs per SM and each split streams >= ~512 keys (1 seq x 32k:
+# 0.746 -> 0.056 ms with 32 splits; 16 x 8k: 0.225 -> 0.150 ms with 9). At 64 seqs it is
+# neutral to slightly worse (64 x 2k: 0.146 ms unsplit, 0.155 with 3): a cut-off at ~2 programs
+# per SM would be a little better there.
 _SPLIT_TARGET_PROGRAMS_PER_SM = 8
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_SPLITS = 32
