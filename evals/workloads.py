@@ -126,7 +126,7 @@ def synthetic(
     output_len: int = 256,
     seed: int = 0,
 ) -> Workload:
-    """W1 of GPU.md: random prompts of 64-512 tokens, 256 output tokens each."""
+    """W1: random prompts of 64-512 tokens, 256 output tokens each."""
     rng = random.Random(seed)
     reqs = [
         WorkloadRequest(

@@ -34,12 +34,12 @@ class EngineConfig:
     # steps, and steps that need prompt log-probs, run op by op. 0: mixed steps never use graphs.
     max_graph_tokens: int = 2048
     # torch.compile (inductor) of the model forward; None: on for CUDA, off on CPU. Measured on
-    # the H200 (TinyLlama-1.1B shape, W1, CUDA graphs, engine only): 42k output tokens/s against
-    # 31k eager (README, Measured).
+    # the H200 (TinyLlama-1.1B shape, W1, CUDA graphs, engine only, 2026-11-29): 42k output
+    # tokens/s against 31k eager.
     compile: bool | None = None
     # "layers": each decoder layer compiled, all sharing one graph: start-up of one layer's
-    # compile (H200, 1.1B shape: 12 s against 77 s for "model"), same W1 speed (42.5k vs 42.7k
-    # tokens/s). "model": one graph for the whole forward. hf_paged/compilation.py
+    # compile (H200, 1.1B shape, 2026-11-29: 12 s against 77 s for "model"), same W1 speed
+    # (42.5k vs 42.7k tokens/s). "model": one graph for the whole forward. hf_paged/compilation.py
     compile_scope: str = "layers"
     # Overlap: schedule and launch step n+1 before step n's tokens reach the host (they are read
     # on the device); stop checks run one step late, so a request that stops computes one token
@@ -57,9 +57,9 @@ class EngineConfig:
     # layer as six fused Triton launches (RMSNorm in the GEMV, residual adds and SiLU-mul in its
     # epilogue, RoPE with the KV write) instead of transformers' forward, on models it supports
     # (Llama, Mistral, Qwen2 with fused projections and the Triton attention backend; others run
-    # as before). 0: off. H200, 1.1B shape, decode ms/step fused vs transformers' forward: batch 1
-    # 0.96 vs 1.38, 2: 1.34 vs 1.40, 4: 1.92 vs 1.41, 8: 3.12 vs 1.44 (the GEMV kernel walks the
-    # rows one by one), hence 2.
+    # transformers' forward). 0: off. H200, 1.1B shape, 2026-11-29, decode ms/step fused vs
+    # transformers' forward: batch 1 0.96 vs 1.38, 2: 1.34 vs 1.40, 4: 1.92 vs 1.41, 8: 3.12 vs
+    # 1.44 (the GEMV kernel walks the rows one by one), hence 2.
     small_batch_rows: int = 2
 
     def __post_init__(self) -> None:

@@ -19,8 +19,8 @@ static numbers, so one graph serves every context length:
   the copy to the host (1.4 us), a second input copy and the gaps between them took ~26 us a
   step after the graph; with all of them inside it (argmax launched with PDL behind the lm_head
   GEMV) and the block table in the packed copy, ~9 us remain, and the 1.1B batch 1 went from
-  1,352-1,359 to 1,391-1,397 tok/s (session 14, interleaved). Any other batch goes through the
-  sampler as before, whose index_copy_ overwrites last_tokens for its rows after the graph (the
+  1,352-1,359 to 1,391-1,397 tok/s (2026-11-30, interleaved A/B). Any other batch goes through the
+  sampler, whose index_copy_ overwrites last_tokens for its rows after the graph (the
   in-graph writes are then only wasted stores). A decode graph whose block table is packed
   also moves its own inputs on by a token in that kernel, and the host skips the next step's
   copy when its inputs are exactly those (same rows, positions one further, same blocks):
@@ -46,14 +46,13 @@ them in a second copy, only their used columns. Each graph reads its inputs from
 buffer at its own offsets, and takes a token sampled by the step before
 (asynchronous scheduling) from the runner's last_tokens on the device, inside the graph. Before
 this, a batch-1 step ran eleven copies and small kernels around its graph, ~2.5 us each with the
-gaps between them (H200 timeline, evals/engine_bench.py kernels=1).
+gaps between them (H200 timeline, evals/profiling/engine_bench.py --kernels).
 
 `eager=True` runs the same padded static buffers without capturing (CPU tests of the padding).
 """
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -190,12 +189,10 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         # Decode graphs take their greedy tokens inside (see the module docstring) with the
-        # sampler's GPU argmax kernel; HF_PAGED_TRITON_ARGMAX=0 (torch's argmax, for A/B
-        # measurements) leaves them to the sampler. Off the GPU the kernel needs the interpreter.
-        from hf_paged import sampler
+        # sampler's GPU argmax kernel. Off the GPU the kernel needs the interpreter.
         from hf_paged.kernels.kv_write import interpreting
 
-        self.greedy_in_graph = sampler._TRITON_ARGMAX and (dev.type == "cuda" or interpreting())
+        self.greedy_in_graph = dev.type == "cuda" or interpreting()
         self.greedy: dict[int, torch.Tensor] = {}  # decode bucket -> int64 [bucket], static
         # ... and the same tokens written by that kernel straight into pinned host memory (no
         # device-to-host copy after the graph: ~1.4 us plus the ~4 us gap before it, batch 1 on
@@ -211,8 +208,7 @@ class CudaGraphRunner:
         # the step's inputs, and sends them unless they equal what the device holds
         # (_device_holds). Why: the copy and the gaps around it were ~4.7 us of a 0.73 ms step
         # on the H200; skipping it measured ~0.2% at the 1.1B batch 1 (kernels/argmax.py).
-        # HF_PAGED_GRAPH_ADVANCE=0: every step sent (A/B measurements, evals/engine_ab.py).
-        self.advance = self.greedy_in_graph and os.environ.get("HF_PAGED_GRAPH_ADVANCE", "1") != "0"
+        self.advance = self.greedy_in_graph
         self._held: _Held | None = None  # what the device's packed inputs hold, if advanced
         self.sends_skipped = 0
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared

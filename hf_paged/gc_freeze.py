@@ -3,8 +3,9 @@
 A process that imported torch and transformers and built a model tracks ~400k objects. CPython
 runs a full (generation-2) collection whenever enough objects have survived younger ones, and a
 full collection scans every tracked object: ~200 ms on this project's 2-core CI machine
-(evals/host_overhead.py freeze=0). The step loop allocates steadily (request outputs, token
-lists), so a full collection can land in the middle of a run whose steps take ~2 ms.
+(evals/profiling/host_overhead.py --freeze 0). The step loop allocates steadily (request
+outputs, token lists), so a full collection can land in the middle of a run whose steps take
+~2 ms.
 
 `frozen_heap()` freezes the objects that exist when it is entered (`gc.freeze`: moved where the
 collector never scans) and unfreezes them when it exits, however it exits: collections inside

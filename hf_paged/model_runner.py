@@ -9,7 +9,6 @@ that asked for prompt log-probs, at every prompt position).
 from __future__ import annotations
 
 import inspect
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -110,22 +109,11 @@ class ModelRunner:
             return None
         from hf_paged.kernels.fused_gemv import pdl_available
 
-        # HF_PAGED_PDL=0: no programmatic dependent launch (A/B measurements, evals/)
-        pdl = pdl_available(self.device) and os.environ.get("HF_PAGED_PDL", "1") != "0"
+        pdl = pdl_available(self.device)
         self.small_batch_status = (
             f"on (steps of <= {config.small_batch_rows} tokens{', PDL' if pdl else ''})"
         )
-        # HF_PAGED_QKV_ROPE=0: RoPE + KV write as their own launch (A/B measurements, evals/)
-        tables = os.environ.get("HF_PAGED_QKV_ROPE", "1") != "0"
-        # HF_PAGED_DECODE_ATTENTION=0: decode steps take the general paged_attention kernel
-        early_reads = os.environ.get("HF_PAGED_DECODE_ATTENTION", "1") != "0"
-        return SmallBatchForward(
-            model,
-            config.small_batch_rows,
-            pdl,
-            config.max_model_len if tables else None,
-            decode_attention=early_reads,
-        )
+        return SmallBatchForward(model, config.small_batch_rows, pdl, config.max_model_len)
 
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""

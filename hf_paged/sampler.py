@@ -16,8 +16,6 @@ same argmax inside itself (the runner checks for no feature bits, this hot path'
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from hf_paged.host_to_device import device_tensor
@@ -31,15 +29,12 @@ from hf_paged.logits_processing import (  # noqa: F401  (apply_top_* re-exported
 from hf_paged.request import Request
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP
 
-# HF_PAGED_TRITON_ARGMAX=0: torch's argmax on the GPU too (A/B measurements, evals/)
-_TRITON_ARGMAX = os.environ.get("HF_PAGED_TRITON_ARGMAX", "1") != "0"
-
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for [rows, vocab] scores. On a GPU, kernels/argmax.py: the same index
     (first maximum, NaN as the maximum) in one pass a row; torch's reduction took 11-12 us for
     one 32,000-entry row on the H200, about 1.5% of a batch-1 step."""
-    if x.is_cuda and _TRITON_ARGMAX:
+    if x.is_cuda:
         # imported here, as elsewhere in hf_paged: Triton decides compile-or-interpret when the
         # kernels are decorated, which must not happen at `import hf_paged`
         from hf_paged.kernels import argmax_rows

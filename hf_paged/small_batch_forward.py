@@ -131,7 +131,6 @@ class SmallBatchForward:
         max_rows: int,
         pdl: bool,
         max_positions: int | None = None,
-        decode_attention: bool = True,
     ) -> None:
         from hf_paged import kernels
 
@@ -139,7 +138,6 @@ class SmallBatchForward:
         cfg = model.config.get_text_config()
         self.max_rows = max_rows
         self.pdl = pdl
-        self.decode_attention = decode_attention  # False: every step takes paged_attention
         self.base = model.model
         self.lm_head = model.lm_head
         self.num_q_heads = cfg.num_attention_heads
@@ -185,7 +183,7 @@ class SmallBatchForward:
             cos, sin = self.base.rotary_emb(h[None], positions[None])
             cos, sin = cos[0], sin[0]
         t = h.shape[0]
-        decode = self.decode_attention and meta.max_query_len == 1 and t == meta.num_seqs
+        decode = meta.max_query_len == 1 and t == meta.num_seqs
         for layer in self.layers:
             norm = layer.in_norm
             key_cache, value_cache = ctx.kv_caches[layer.index]

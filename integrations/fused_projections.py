@@ -48,16 +48,13 @@ class FusedProjection(nn.Module):
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] | None = None
 
-    # The fused matrix is not saved under its own name: each ProjectionSlice saves its rows
-    # under the original layer's name. A state dict that does carry the fused name (saved by an
-    # older hf_paged) still loads.
+    # The fused matrix is neither saved nor loaded under its own name: each ProjectionSlice
+    # saves and loads its rows under the original layer's name.
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         pass
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
-        present = {k: v for k, v in self._parameters.items() if v is not None}
-        if all(prefix + name in state_dict for name in present):
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, False, missing, *rest)
+    def _load_from_state_dict(self, *args) -> None:
+        pass
 
     def rows(self, index: int) -> slice:
         start = sum(self.sizes[:index])
@@ -116,10 +113,7 @@ class ProjectionSlice(nn.Module):
             if target is None:
                 continue
             if key not in state_dict:
-                if prefix + name not in missing and not _fused_key_present(
-                    self, state_dict, prefix
-                ):
-                    missing.append(key)
+                missing.append(key)
                 continue
             value = state_dict[key]
             if value.shape != target.shape:
@@ -130,12 +124,6 @@ class ProjectionSlice(nn.Module):
                 continue
             with torch.no_grad():
                 target.copy_(value)  # a view of the fused matrix: writes through
-
-
-def _fused_key_present(part: ProjectionSlice, state_dict, prefix: str) -> bool:
-    """A state dict saved with the fused matrix's own name fills this slice through it."""
-    parent = prefix[: prefix.rstrip(".").rfind(".") + 1]
-    return any(k.startswith(parent + _FUSED_PREFIX) for k in state_dict)
 
 
 def _fusable(layers: list) -> bool:

@@ -1,7 +1,7 @@
 """Row-wise argmax of logits: the greedy token of each row, as torch.argmax(dim=-1) picks it.
 
 Why: at batch 1 the step's greedy argmax over a 32,000-entry row took 11.3-12.5 us on the H200
-in torch's reduction kernel (evals/h200/engine-bench-batch1-*: one block walks the row), about
+in torch's reduction kernel (one block walks the row; 1.1B shape, 2026-11-30), about
 1.5% of the 0.78 ms step, while the row is 64 KB. Here one program takes a row in chunks of up
 to 32K entries, each loaded in one go (for a 32,000 vocabulary: one load round trip and an
 in-register reduction).
@@ -26,8 +26,8 @@ tokens inside the graph:
 - advance=DecodeAdvance(...): also moves the graph's own inputs on by one token for each real
   row (position, sequence length, cache slot from the block table), so the next step of the
   same rows needs no copy from the host while it stays inside its blocks. H200, 1.1B batch 1,
-  interleaved (session 15, 2 rounds; session 14, 1): 1,387-1,391 tok/s with it against
-  1,384-1,388, a consistent ~0.2%. These inputs, rows and the host slot are the graph's step
+  interleaved A/B over 3 rounds (2026-11-30): 1,387-1,391 tok/s with it against 1,384-1,388,
+  a consistent ~0.2%. These inputs, rows and the host slot are the graph's step
   inputs, which no kernel of the step writes: with pdl they are read before the wait.
 """
 

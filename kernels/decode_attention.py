@@ -29,7 +29,6 @@ import triton.language as tl
 
 from hf_paged.forward_context import AttentionMetadata
 
-from . import trace
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .paged_attention import (
     AttentionConfig,
@@ -99,11 +98,7 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr,
-    TRACE: tl.constexpr = False,  # kernels/trace.py
-    trace_ptr=None,
 ):
-    if TRACE:
-        t_start = trace.now()
     if PDL:
         gdc_launch_dependents()  # the o-projection may be scheduled and fetch its weights
     seq = tl.program_id(0).to(tl.int64)
@@ -148,9 +143,6 @@ def _decode_attention_kernel(
 
     if PDL:
         gdc_wait()  # the query and the new token's K/V come from the previous kernel
-    if TRACE:
-        t_wait = trace.now()
-        pid = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split_id
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = offs_m < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + offs_m
@@ -160,11 +152,6 @@ def _decode_attention_kernel(
         mask=row_mask,
         other=0.0,
     )
-    if TRACE:
-        # when the query has arrived, then the prefetched first tile's K and V (by then, if they
-        # came first): reductions over them, TRACE only
-        trace.stamp(trace_ptr, pid, 3, trace.now_after(trace.arrived(q)))
-        trace.stamp(trace_ptr, pid, 4, trace.now_after(trace.arrived(k) + trace.arrived(v)))
     if DOT_UPCAST:
         q = q.to(tl.float32)
     # the new token's row, if this tile holds it, as the previous kernel wrote it: one row read
@@ -182,9 +169,6 @@ def _decode_attention_kernel(
             acc, l_i, m_i, q, k, v, k_ok & (k_idx >= kv_lo), scale, softcap,
             SOFTCAP, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
-    if TRACE:  # the first tile's softmax and PV done; whether this split has keys at all
-        trace.stamp(trace_ptr, pid, 5, trace.now_after(trace.arrived(l_i)))
-        trace.stamp(trace_ptr, pid, 6, (t_lo < t_hi).to(tl.int32))
     for t in range(t_lo + 1, t_hi):  # the split's further tiles: loaded after the wait
         k_idx = t * BLOCK_N + offs_n
         k_ok = k_idx < split_hi
@@ -212,8 +196,6 @@ def _decode_attention_kernel(
     else:
         o_ptrs = out_ptr + seq * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
-    if TRACE:
-        trace.record(trace_ptr, pid, t_start, t_wait)
 
 
 def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConfig:
@@ -222,9 +204,8 @@ def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConf
     4 warps x 128 keys this kernel spilled, 967 spill instructions at head_dim 64 (255
     registers) and 23 KB of spill stores at head_dim 128 (ptxas settled on 32 registers and a
     7.9 KB stack); 8 warps x 128 keys at head_dim 64 and 8 x 64 at 128 compile to 190 / 196
-    registers and no spills. H200 (session 12, one call): the 1.1B shape's batch 1 1,332-1,336
-    tok/s with this tile against 1,317-1,321 with decode_config's; Llama-3-8B's 265-266 with it
-    and session 12's other kernel changes against 234 before them (evals/h200/README.md)."""
+    registers and no spills. H200 (2026-11-30, one call): the 1.1B shape's batch 1 1,332-1,336
+    tok/s with this tile against 1,317-1,321 with decode_config's."""
     dec = decode_config(queries_per_kv, head_dim)
     # at most 8192 entries a K (and V) tile, whose columns are head_dim padded to a power of 2:
     # 128 keys at head_dim 64, 64 at 80-128
@@ -243,12 +224,10 @@ def decode_attention(
     *,
     num_kv_splits: int | None = None,
     pdl: bool = False,
-    config: AttentionConfig | None = None,
 ) -> torch.Tensor:  # [num_seqs, Hq, D]
     """paged_attention for a batch whose every sequence has exactly one query token (token i
     is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
-    num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention;
-    config (tile shape and warps, evals/ sweeps) replaces decode_attention_config's."""
+    num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention."""
     _check_attention_args(query, key_cache, value_cache, meta, None)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
@@ -263,7 +242,7 @@ def decode_attention(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    cfg = config or decode_attention_config(num_q_heads // num_kv_heads, head_dim)
+    cfg = decode_attention_config(num_q_heads // num_kv_heads, head_dim)
     splits = num_kv_splits or choose_decode_num_kv_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, cfg.block_n, query.device
     )
@@ -285,7 +264,6 @@ def decode_attention(
         splits,
         *args,
         **kwargs,
-        **trace.take(),
     )
     if splits > 1:
         _reduce_splits(out, ws_o, ws_lse, meta, splits, head_dim, head_dim_pad, pdl)

@@ -4,8 +4,8 @@ With asynchronous scheduling a decode step's input token was sampled by the step
 on the device only (the runner's last_tokens, by InputBatch row). In a CUDA graph the step then
 ran three torch kernels before its first layer: last_tokens[rows], a where() against the tokens
 the host sent, and the embedding gather (~6.3 us of kernels and their gaps on the H200 at batch
-1, evals/engine_bench.py only=batch1 kernels=1). This kernel does all three: token t is
-last_tokens[rows[t]] where pending[t], else input_ids[t], and out[t] = weight[token].
+1, evals/profiling/engine_bench.py --only batch1 --kernels). This kernel does all three: token
+t is last_tokens[rows[t]] where pending[t], else input_ids[t], and out[t] = weight[token].
 
 With pdl=True it lets the next kernel launch at once (griddepcontrol.launch_dependents), so the
 first layer's norm_qkv_rope loads its weights while this runs; it is itself launched as usual,

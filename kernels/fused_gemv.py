@@ -3,7 +3,7 @@
 At batch 1 a decoder layer is four matrix-vector products (q/k/v, o, gate/up, down) and, between
 them, a dozen tiny kernels (RMSNorms, residual adds, SiLU-mul, cuBLAS's split-K reduce), each
 paying a launch and a ramp while HBM idles. Measured on the H200 (TinyLlama-1.1B shape,
-evals/h200): the layer's GEMVs take 35 us on cuBLAS against 21 us of weight reads, and the small
+2026-11-29): the layer's GEMVs take 35 us on cuBLAS against 21 us of weight reads, and the small
 kernels another ~20 us. This kernel does one GEMV with, optionally:
 
 - NORM: RMSNorm of x first (fp32 sum of squares, then as transformers' LlamaRMSNorm rounds:
@@ -17,24 +17,22 @@ kernels another ~20 us. This kernel does one GEMV with, optionally:
   previous kernel's tail.
 
 Each program owns BLOCK_N output rows of the weight and holds them, whole K, in registers: their
-loads are issued first, before the wait on the previous kernel. evals/pdl_chain_bench.py, 22
-layers of the 1.1B shape at batch 1 (norm, SiLU-mul and residual fused in): 27.1 us a layer with
-PDL (77% of the H200's bandwidth), 31.9 without, against 37.5 for cuBLAS's GEMVs alone; a kernel
-walking K in tiles instead took 40 us. Rows are computed one after another: at 4-8 rows this
-is slower than cuBLAS (README, Measured). `fused_gemv_ref` is the same computation in torch
-(the CPU reference the kernel is tested against).
+loads are issued first, before the wait on the previous kernel. 22 layers of the 1.1B shape at
+batch 1 in one CUDA graph (norm, SiLU-mul and residual fused in; H200, 2026-11-29): 27.1 us a
+layer with PDL (77% of the H200's bandwidth), 31.9 without, against 37.5 for cuBLAS's GEMVs
+alone; a kernel walking K in tiles instead took 40 us. Rows are computed one after another: at
+4-8 rows this is slower than transformers' forward, hence small_batch_rows=2 by default.
+`fused_gemv_ref` is the same computation in torch (the CPU reference the kernel is tested
+against).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import trace
 from .kv_write import check_launchable, interpreting
 
 try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
@@ -88,36 +86,31 @@ def fused_gemv_ref(
 
 
 @triton.jit
-def load_weights(ptrs, mask, EVICT_FIRST: tl.constexpr):
+def load_weights(ptrs, mask):
     # Weights are read once a step and are far larger than L2 (2 GB a token at the 1.1B
     # shape against 50 MB): marked evict-first, they pass through L2 without pushing out what
     # the next step reads again (the KV cache, the activations, the step inputs), so e.g.
     # decode attention's K/V tile, read while the weights of the next GEMVs stream, comes
-    # from L2. H200, 1.1B batch 1, interleaved (session 16, two rounds): 1,416-1,419 tok/s
-    # with the hint against 1,390-1,396 without (0.70 against 0.73 ms of GPU a step);
-    # Llama-3-8B batch 1, at its bandwidth bound either way: 257-258 against 255-257.
-    if EVICT_FIRST:
-        w = tl.load(ptrs, mask, 0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(ptrs, mask, 0.0)
-    return w
+    # from L2. Measured on the H200 (1.1B shape, batch 1, 2026-11-30, interleaved A/B):
+    # 1,416-1,419 tok/s with the hint against 1,390-1,396 without; Llama-3-8B, at its
+    # bandwidth bound either way, 257-258 against 255-257.
+    return tl.load(ptrs, mask, 0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _weight_tile(
-    w_ptr, stride_wn, offs_n, offs_k, mask, K: tl.constexpr, ROWS_I32: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
+    w_ptr, stride_wn, offs_n, offs_k, mask, K: tl.constexpr, ROWS_I32: tl.constexpr
 ):  # fmt: skip
     # rows back to back and under 2^31 elements (ROWS_I32): 32-bit offsets with K's stride
     # known; otherwise 64-bit offsets by the runtime row stride. The fp32 conversion sits here,
     # right after the load, on purpose: converting at each row's use instead (fewer registers
-    # at 2+ rows) compiled to a schedule 3% slower at 1 row and slower at 2 (H200, session 16,
-    # evals/h200/row-weights-*).
+    # at 2+ rows) compiled to a schedule 3% slower at 1 row and slower at 2 (H200, 1.1B shape,
+    # 2026-11-30).
     if ROWS_I32:
         offs = offs_n[:, None] * K + offs_k[None, :]
     else:
         offs = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    return load_weights(w_ptr + offs, mask, EVICT_FIRST).to(tl.float32)
+    return load_weights(w_ptr + offs, mask).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -149,15 +142,10 @@ def _fused_gemv_kernel(
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
     ROWS_I32: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,  # load_weights
-    TRACE: tl.constexpr = False,  # kernels/trace.py
-    trace_ptr=None,
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
     # finishes) and before x's norm; then every row reuses the tile.
-    if TRACE:
-        t_start = trace.now()
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -167,17 +155,15 @@ def _fused_gemv_kernel(
     n_mask = offs_n < N
     k_mask = offs_k < K
     tile_mask = n_mask[:, None] & k_mask[None, :]
-    w = _weight_tile(w_ptr, stride_wn, offs_n, offs_k, tile_mask, K, ROWS_I32, EVICT_FIRST)
+    w = _weight_tile(w_ptr, stride_wn, offs_n, offs_k, tile_mask, K, ROWS_I32)
     if GATED:
-        w2 = _weight_tile(w2_ptr, stride_w2n, offs_n, offs_k, tile_mask, K, ROWS_I32, EVICT_FIRST)
+        w2 = _weight_tile(w2_ptr, stride_w2n, offs_n, offs_k, tile_mask, K, ROWS_I32)
     if NORM:
         g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()  # x, rows and residual come from earlier kernels
-    if TRACE:
-        t_wait = trace.now()
     # row m + 1's inputs are loaded before row m is computed: with a runtime check around each
     # row, its loads could only start after the row before it was stored (one round trip a row)
     x_next, r_next = _row_inputs(x_ptr, rows_ptr, r_ptr, 0, M, stride_xm, stride_rm, offs_k,
@@ -204,8 +190,6 @@ def _fused_gemv_kernel(
             if RESIDUAL:
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
-    if TRACE:
-        trace.record(trace_ptr, pid, t_start, t_wait)
 
 
 @triton.jit
@@ -249,26 +233,26 @@ _LONG_GEMV_BYTES = 64 << 20
 
 def tile_config(k: int, gated: bool, weight_bytes: int = 0, itemsize: int = 2) -> dict | None:
     """BLOCK_N and warps so a program's [BLOCK_N, K] weight tile(s) fit in registers (H200,
-    evals/pdl_chain_bench.py: BLOCK_N 4 at K 2048); None if even one row does not (K above
-    32768, or 16384 gated: no model the small-batch forward takes).
+    2026-11-29: BLOCK_N 4 at K 2048); None if even one row does not (K above 32768, or 16384
+    gated: no model the small-batch forward takes).
 
     Where the weights are _LONG_GEMV_BYTES or more, fewer rows a program come before more warps
-    (at most 8 warps where that fits). H200, evals/read_ceiling_bench.py: a long launch streams
+    (at most 8 warps where that fits). H200 (2026-11-30): a long launch streams
     K 14336 at 4.36 TB/s with BLOCK_N 1 x 8 warps against 3.82 with 2 x 16, and K 5632 at 4.31
     against 3.11; Llama-3-8B batch 1 (gate/up 235 MB, down 117 MB) 231 against 226 tok/s. But
     the 1.1B shape's 23 MB down projection, a short launch between PDL waits, is slower that way
-    (1,271-1,277 against 1,300-1,304 tok/s): its wider tile stays (evals/h200/*-s11-*).
+    (1,271-1,277 against 1,300-1,304 tok/s): its wider tile stays.
 
     A short, un-gated GEMV with K in (4096, 8192] and 2-byte weights takes 8 rows x 8 warps
     instead, so that all of it is in flight at once. Compiled for sm_90, the 1.1B down
     projection's 4 rows x 16 warps (58 registers) runs 2 programs a SM, 88 KB of weights in
     flight a SM, so its 512 programs come in 2 waves, and HBM idles while the first wave
     computes and exits; 8 x 8 (128 registers, no spills) also runs 2 a SM but with 176 KB in
-    flight: its 256 programs are one wave. H200 (session 13): the 1.1B batch 1 1,347-1,354
+    flight: its 256 programs are one wave. H200 (2026-11-30): the 1.1B batch 1 1,347-1,354
     tok/s against 1,322-1,336, interleaved in one call; the profiler's critical path (gate/up
-    + down) 18.6 us a layer against 19.9 (evals/engine_bench.py kernels=1). (At 2-8 rows both tiles
-    run one program a SM, 88 against 44 KB in flight; fp32 weights would double the registers,
-    hence 2-byte weights only.)"""
+    + down) 18.6 us a layer against 19.9 (evals/profiling/engine_bench.py --kernels). (At 2-8
+    rows both tiles run one program a SM, 88 against 44 KB in flight; fp32 weights would
+    double the registers, hence 2-byte weights only.)"""
     if not gated and itemsize == 2 and 4096 < k <= 8192 and weight_bytes < _LONG_GEMV_BYTES:
         return dict(BLOCK_N=8, num_warps=8)
     k_pad = triton.next_power_of_2(k)
@@ -282,17 +266,9 @@ def tile_config(k: int, gated: bool, weight_bytes: int = 0, itemsize: int = 2) -
     return None
 
 
-# 32-bit weight offsets with K's stride known (ROWS_I32) where they fit; a switch for
-# evals/pdl_chain_bench.py's A/B. H200, 1.1B batch 1, interleaved: 1,279-1,283 against
-# 1,271-1,273 tok/s (evals/h200/*-s9-*).
-_ROWS_I32 = True
-
-# Weight loads marked evict-first (load_weights); HF_PAGED_WEIGHT_EVICT=0 turns the hint off
-# (A/B measurements, evals/engine_ab.py).
-EVICT_FIRST_WEIGHTS = os.environ.get("HF_PAGED_WEIGHT_EVICT", "1") != "0"
-
-
 def _rows_i32(w: torch.Tensor) -> bool:
+    # 32-bit weight offsets with K's stride known where they fit. H200, 1.1B shape, batch 1
+    # (2026-11-29, interleaved A/B): 1,279-1,283 tok/s against 1,271-1,273 with 64-bit offsets.
     return w.stride(0) == w.shape[1] and w.numel() < 2**31
 
 
@@ -381,9 +357,7 @@ def fused_gemv(
         RESIDUAL=residual is not None,
         GATHER=rows is not None,
         PDL=pdl,
-        ROWS_I32=_ROWS_I32 and _rows_i32(weight) and (up_weight is None or _rows_i32(up_weight)),
-        EVICT_FIRST=EVICT_FIRST_WEIGHTS,
+        ROWS_I32=_rows_i32(weight) and (up_weight is None or _rows_i32(up_weight)),
         **cfg,
-        **trace.take(),
     )
     return y

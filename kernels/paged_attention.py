@@ -35,7 +35,6 @@ import triton.language as tl
 
 from hf_paged.forward_context import AttentionMetadata
 
-from . import trace
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .kv_write import check_kv_cache_pair, check_launchable
 
@@ -538,12 +537,8 @@ def _reduce_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
-    TRACE: tl.constexpr = False,  # kernels/trace.py
-    trace_ptr=None,
 ):
     # One program = one (token, query head): combine the splits' partial softmaxes.
-    if TRACE:
-        t_start = trace.now()
     if PDL:
         gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
@@ -555,8 +550,6 @@ def _reduce_splits_kernel(
         return  # unowned token: the attention kernel already wrote zeros
     if PDL:
         gdc_wait()  # the partials come from the attention kernel
-    if TRACE:
-        t_wait = trace.now()
     offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     s_mask = offs_s < num_splits
@@ -582,8 +575,6 @@ def _reduce_splits_kernel(
         res.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
-    if TRACE:
-        trace.record(trace_ptr, tok * tl.num_programs(1) + head, t_start, t_wait)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -603,11 +594,12 @@ class AttentionConfig:
     one_tile_per_seq: bool  # decode-ish: every sequence's new tokens fit one q-tile
 
 
-# Flash-decoding split heuristic, from the H200 sweeps in evals/kernels.py (Llama-3-8B heads,
-# bf16, CUDA-graph timing): splitting pays while the grid is short of ~8 (seq, kv head, split)
-# programs per SM and each split streams >= ~512 keys (1 seq x 32k: 0.746 -> 0.056 ms with 32
-# splits; 16 x 8k: 0.225 -> 0.150 ms with 9). At 64 seqs it is neutral to slightly worse (64 x 2k:
-# 0.146 ms unsplit, 0.155 with 3): a cut-off at ~2 programs per SM would be a little better there.
+# Flash-decoding split heuristic, from H200 sweeps (evals/profiling/kernel_bench.py --sweep;
+# Llama-3-8B heads, bf16, CUDA-graph timing): splitting pays while the grid is short of ~8
+# (seq, kv head, split) programs per SM and each split streams >= ~512 keys (1 seq x 32k:
+# 0.746 -> 0.056 ms with 32 splits; 16 x 8k: 0.225 -> 0.150 ms with 9). At 64 seqs it is
+# neutral to slightly worse (64 x 2k: 0.146 ms unsplit, 0.155 with 3): a cut-off at ~2 programs
+# per SM would be a little better there.
 _SPLIT_TARGET_PROGRAMS_PER_SM = 8
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_SPLITS = 32
@@ -683,11 +675,11 @@ def choose_decode_num_kv_splits(
 ) -> int:
     """decode_attention's split count: one key tile per split (at most 32 splits), since it reads
     each split's first tile before the PDL wait and the rest after it. H200, 1.1B shape, batch
-    1, the whole step in a graph (evals/batch1_critical_path.py splits=1): 16 splits for
+    1, the whole step in one CUDA graph, 2026-11-29: 16 splits for
     max_model_len 2048, against choose_num_kv_splits' 4 (>= 512 keys each), save 2 us a layer
     at 640 keys and 5 at 1536, and nothing at 256; 32 cost ~0.7 us more than 16. But not where
     that grid would take more than half the SMs: Llama-3-8B (8 KV heads x 16 = 128 programs)
-    fell from 222 to 202 tok/s (evals/h200/engine-bench-decode-splits-ab-s7-*), presumably
+    fell from 222 to 202 tok/s (same machine and date), presumably
     because the o-projection's programs then find no room to load their weights during
     attention (not measured); there choose_num_kv_splits' count stays."""
     splits = choose_num_kv_splits(
@@ -1046,5 +1038,4 @@ def _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, 
         PDL=pdl,
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
-        **trace.take(),
     )

@@ -17,11 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import trace
 from .fused_gemv import (
     _ELEMS_PER_THREAD,
     _MAX_WARPS,
-    EVICT_FIRST_WEIGHTS,
     MAX_ROWS,
     _row_mask,
     fused_gemv_ref,
@@ -78,12 +76,7 @@ def _norm_qkv_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,  # load_weights
-    TRACE: tl.constexpr = False,  # kernels/trace.py
-    trace_ptr=None,
 ):
-    if TRACE:
-        t_start = trace.now()
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -96,8 +89,8 @@ def _norm_qkv_rope_kernel(
     offs_k = tl.arange(0, K_PAD)
     k_mask = offs_k < K
     tile = offs_k[None, :] + tl.zeros([PAIRS, 1], dtype=tl.int32)  # [PAIRS, K_PAD]
-    w1 = load_weights(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K, EVICT_FIRST)
-    w2 = load_weights(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K, EVICT_FIRST)
+    w1 = load_weights(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K)
+    w2 = load_weights(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K)
     w1 = w1.to(tl.float32)
     w2 = w2.to(tl.float32)
     g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -106,9 +99,9 @@ def _norm_qkv_rope_kernel(
         b2 = tl.load(b_ptr + rows2).to(tl.float32)
     # Each row's position, cos / sin and cache slot are step inputs the host copied before the
     # step's first launch, which is an ordinary one (kernels/embedding.py): nothing in this PDL
-    # chain writes them, so they are read before the wait too. Read after the GEMV, as they
-    # were, they added two dependent loads (position, then cos / sin) and a third (slot) to
-    # every layer's critical path.
+    # chain writes them, so they are read before the wait too. Read after the GEMV they would
+    # add two dependent loads (position, then cos / sin) and a third (slot) to every layer's
+    # critical path.
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
@@ -118,8 +111,6 @@ def _norm_qkv_rope_kernel(
     slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
     if PDL:
         gdc_wait()  # x comes from the previous kernel
-    if TRACE:
-        t_wait = trace.now()
     # the projection's outputs of every row, in the model dtype (as f32): [BLOCK_M, PAIRS]
     y1s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
     y2s = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
@@ -165,8 +156,6 @@ def _norm_qkv_rope_kernel(
             c = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s + j * stride_vc_h
         tl.store(c[:, None] + offs_j[None, :], o1.to(cdt), mask=write)
         tl.store(c[:, None] + HALF + offs_j[None, :], o2.to(cdt), mask=write)
-    if TRACE:
-        trace.record(trace_ptr, pid, t_start, t_wait)
 
 
 def qkv_rope_config(k: int, half: int) -> dict | None:
@@ -196,7 +185,6 @@ def norm_qkv_rope(
     num_q_heads: int,
     *,
     pdl: bool = False,
-    config: dict | None = None,  # PAIRS and num_warps instead of qkv_rope_config's (sweeps)
 ) -> torch.Tensor:  # rotated queries [T, Hq, D]
     """norm_qkv_rope_ref by one Triton launch, for at most MAX_ROWS tokens."""
     check_kv_cache_pair(key_cache, value_cache)
@@ -220,7 +208,7 @@ def norm_qkv_rope(
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.shape != (t,) or idx.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [{t}], got {idx.dtype} {list(idx.shape)}")
-    cfg = dict(config) if config is not None else qkv_rope_config(k, half)
+    cfg = qkv_rope_config(k, half)
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     check_launchable(x, "x")
@@ -263,8 +251,6 @@ def norm_qkv_rope(
         PAGE_SIZE=key_cache.shape[1],
         HAS_BIAS=bias is not None,
         PDL=pdl,
-        EVICT_FIRST=EVICT_FIRST_WEIGHTS,
         **cfg,
-        **trace.take(),
     )
     return q

@@ -60,8 +60,8 @@ def test_bad_dataset_files(tmp_path):
 
 
 def test_script_entry_point_error_line(tmp_path):
-    # As users run it: the script's folder must not shadow anything (evals/kernels.py vs the
-    # PyPI `kernels` package that transformers probes), and no traceback on bad input.
+    # As users run it: the script's folder must not shadow anything (PyPI's `kernels` package,
+    # which transformers probes), and no traceback on bad input.
     env = dict(os.environ, HF_PAGED_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, str(EVALS / "run.py"), "throughput", "--dataset", "nope"],
@@ -105,8 +105,8 @@ def test_workload_file_round_trip_folds_vocab(tmp_path):
     assert json.loads((tmp_path / "w.json").read_text())["name"] == "x"
 
 
-def test_roofline_matches_gpu_md_peer_bounds():
-    # GPU.md: TinyLlama-1.1B shape on the H200, W1 ~190k output tok/s, batch 1 ~1.9k tok/s.
+def test_roofline_bounds_of_the_tinyllama_shape_on_the_h200():
+    # weights + KV read per step at 4.2 TB/s: W1 ~190k output tok/s, batch 1 ~1.9k tok/s
     import torch
 
     model = models.build_random_model("tinyllama-1.1b", torch.bfloat16, torch.device("meta"))

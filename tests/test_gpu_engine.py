@@ -1,8 +1,12 @@
-"""Ladder step 4 (GPU only, `pytest -m gpu` on the H200): the engine at real head shapes.
+"""Ladder step 4 (GPU only): the engine at real head shapes.
 
 TinyLlama-1.1B attention/MLP shapes (hidden 2048, 32 q heads, 4 kv heads, head 64) with fewer
 layers, random weights. Identity checks run in float32, where two correct implementations agree
-to ~1e-6 and greedy tokens must match exactly; bf16 agreement is reported as a rate.
+to ~1e-6 and greedy tokens must match exactly; bf16 runs must agree on every row's first token.
+
+Three groups of under 5 minutes each on the H200 (README, Test): the tests marked `graphs`
+(graph capture and torch.compile at every scope), those marked `small_batch` (the small-batch
+forward and in-graph greedy tokens), and the rest.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def test_triton_backend_matches_transformers_fp32():
     assert torch.equal(defaults, ref)
 
 
+@pytest.mark.graphs
 def test_graph_replay_and_compile_change_no_greedy_output_fp32():
     model = _model(torch.float32)
     ids, mask = _batch(LENGTHS, seed=1)
@@ -129,6 +134,7 @@ def test_graphs_used_for_decode_steps():
         hf_paged.unpatch(model)
 
 
+@pytest.mark.graphs
 def test_mixed_step_graphs_change_no_greedy_output_fp32():
     # a 512-token budget: prompt chunks share steps with decodes, and every such step fits a
     # token bucket, so it replays a captured mixed-step graph (padded tokens and sequences)
@@ -150,7 +156,8 @@ def test_mixed_step_graphs_change_no_greedy_output_fp32():
         assert replays["mixed"] > 0 and replays["decode"] > 0, (opts, replays)
 
 
-def test_small_batch_forward_changes_no_greedy_output_fp32(monkeypatch):
+@pytest.mark.small_batch
+def test_small_batch_forward_changes_no_greedy_output_fp32():
     # steps of <= 8 tokens through hf_paged/small_batch_forward.py (fused GEMVs, RoPE + KV
     # write, PDL): eager, graphs, graphs + compile, every default, PDL off; batch 6 and batch 1
     model = _model(torch.float32)
@@ -174,13 +181,9 @@ def test_small_batch_forward_changes_no_greedy_output_fp32(monkeypatch):
             finally:
                 hf_paged.unpatch(model)
             assert torch.equal(out, plain), (lengths, opts)
-        # no PDL; RoPE as its own launch; decodes through the general attention kernel
-        for knob in ("HF_PAGED_PDL", "HF_PAGED_QKV_ROPE", "HF_PAGED_DECODE_ATTENTION"):
-            monkeypatch.setenv(knob, "0")
-            assert torch.equal(_generate(model, ids, mask, small_batch_rows=8), plain), knob
-            monkeypatch.delenv(knob)
 
 
+@pytest.mark.small_batch
 @pytest.mark.parametrize("lengths", [[300], [5, 40, 17]])  # batch 1; batch 3 padded to 4
 def test_in_graph_greedy_tokens_change_no_greedy_output_fp32(lengths):
     # All-greedy decode steps take their tokens from the decode graph (argmax + last_tokens
@@ -248,10 +251,12 @@ def test_bf16_agreement_with_transformers_and_torch_backend():
     )
     # Random bf16 weights leave near-tied logits, and one flipped token changes the rest of the
     # row: measured on the H200 (4 layers, 16 rows x 48 tokens) 25% identical rows vs
-    # transformers and 19% vs the torch backend, while the fp32 test above is exact. A systematic
-    # bug shows at the first new token, so that is what is asserted here.
-    first_tokens_equal = (tri[:, ids.shape[1]] == ref[:, ids.shape[1]]).float().mean().item()
-    assert first_tokens_equal >= 0.9
+    # transformers and 19% vs the torch backend, while the fp32 tests are exact. A systematic
+    # bug shows at the first new token, so that is what is asserted, against both.
+    first = ids.shape[1]
+    assert (tri[:, first] == ref[:, first]).float().mean().item() >= 0.9
+    assert (tri[:, first] == torch_b[:, first]).float().mean().item() >= 0.9
+    assert rate_hf > 0 and rate_torch > 0  # some rows agree over all 48 tokens
 
 
 def test_cuda_kv_cache_sized_from_memory():

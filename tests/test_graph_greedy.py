@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from hf_paged import sampler as sampler_mod
 from hf_paged.cuda_graphs import CudaGraphRunner
 from hf_paged.sampler import Sampler
 
@@ -92,21 +91,6 @@ def test_greedy_decode_batches_take_the_graph_tokens(tiny_model, async_schedulin
     assert (watch.pending_decode_steps >= 5) == async_scheduling
 
 
-def test_torch_argmax_knob_leaves_greedy_to_the_sampler(tiny_model, monkeypatch):
-    # HF_PAGED_TRITON_ARGMAX=0 (read at import): no in-graph tokens, the sampler as before
-    monkeypatch.setattr(sampler_mod, "_TRITON_ARGMAX", False)
-    model = tiny_model("llama")
-    prompts = _prompts([9, 20, 4])
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    want, _ = _generate(model, prompts, params, graphs=False, max_num_seqs=5)
-    eng = _engine(model, True, max_num_seqs=5)
-    assert not eng.runner.graphs.greedy_in_graph and eng.runner.graphs.greedy_tokens(3) is None
-    watch = _Watch(eng)
-    got = eng.generate(prompts, params)
-    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
-    assert watch.decode_steps > 0 and watch.sampled_after_decode == watch.decode_steps
-
-
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_mixed_greedy_and_sampling_batch_still_samples(tiny_model, logprobs):
     # a request that samples (seeded: its draws do not depend on the batch), and one keeping
@@ -184,15 +168,13 @@ def test_padded_rows_leave_last_tokens_alone(tiny_model):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("advance", [True, False])
-def test_device_advanced_inputs_are_the_steps_inputs(tiny_model, monkeypatch, advance):
+def test_device_advanced_inputs_are_the_steps_inputs(tiny_model):
     # Decode graphs move their own packed inputs on by a token (kernels/argmax.py
     # DecodeAdvance), and the host sends nothing when that is what the step needs: at every
     # decode replay the inputs the graph reads must be exactly the step's (sent or not), and
     # most steps of a steady batch send nothing (block_size 8: a copy every 8th step or so).
     # Three requests finishing at different steps (batch 3 -> 2 -> 1), greedy output as without
-    # graphs. HF_PAGED_GRAPH_ADVANCE=0: every step sent.
-    monkeypatch.setenv("HF_PAGED_GRAPH_ADVANCE", "1" if advance else "0")
+    # graphs.
     model = tiny_model("llama")
     prompts = _prompts([9, 20, 4], seed=3)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 30, 20)]
@@ -200,7 +182,7 @@ def test_device_advanced_inputs_are_the_steps_inputs(tiny_model, monkeypatch, ad
     want, _ = _generate(model, prompts, params, graphs=False, **opts)
     eng = _engine(model, True, **opts)
     graphs = eng.runner.graphs
-    assert graphs.advance == advance
+    assert graphs.advance
     checked = []
     real_run, real_replay = graphs.run, graphs._replay
 
@@ -225,7 +207,4 @@ def test_device_advanced_inputs_are_the_steps_inputs(tiny_model, monkeypatch, ad
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     decode_steps = len(checked)
     assert decode_steps >= 25
-    if advance:
-        assert graphs.sends_skipped >= decode_steps // 2, (graphs.sends_skipped, decode_steps)
-    else:
-        assert graphs.sends_skipped == 0
+    assert graphs.sends_skipped >= decode_steps // 2, (graphs.sends_skipped, decode_steps)

@@ -5,7 +5,7 @@ is checked where it lives, in the load instructions (kernels/fused_gemv.py load_
 it is there; the interpreter ignores cache hints, so no CPU run could show it). The loads of the
 previous kernel's output (x, after griddepcontrol.wait) must stay plain: an evict-first line
 there would be the first thing L2 drops. The compile runs in a subprocess without
-TRITON_INTERPRET (under the interpreter, which the test session turns on, @triton.jit gives no
+TRITON_INTERPRET (under the interpreter, which tests/conftest.py turns on, @triton.jit gives no
 compilable kernel): `python tests/test_kernels_cache_hints.py DIR` writes the PTX files.
 """
 
@@ -46,27 +46,25 @@ def _ptx(kernel, types: dict, constexprs: dict, num_warps: int) -> str:
     return compiled.asm["ptx"]
 
 
-def _gemv_ptx(evict: bool) -> str:
+def _gemv_ptx() -> str:
     fg = importlib.import_module("hf_paged.kernels.fused_gemv")
     ptrs = ("x_ptr", "rows_ptr", "nw_ptr", "w_ptr", "w2_ptr", "b_ptr", "r_ptr", "y_ptr")
     types = {p: "*bf16" for p in ptrs}
     types.update(M="i32", N="i32", eps="fp32")
     types.update({s: "i32" for s in fg._fused_gemv_kernel.arg_names if s.startswith("stride")})
     const = dict(K=2048, K_PAD=2048, BLOCK_M=1, BLOCK_N=4, NORM=True, GATED=True, HAS_BIAS=False,
-                 RESIDUAL=True, GATHER=False, PDL=True, ROWS_I32=True, EVICT_FIRST=evict,
-                 TRACE=False, trace_ptr=None)  # fmt: skip
+                 RESIDUAL=True, GATHER=False, PDL=True, ROWS_I32=True)  # fmt: skip
     return _ptx(fg._fused_gemv_kernel, types, const, num_warps=8)
 
 
-def _qkv_ptx(evict: bool) -> str:
+def _qkv_ptx() -> str:
     kernel = importlib.import_module("hf_paged.kernels.qkv_rope")._norm_qkv_rope_kernel
     types = {p: "*bf16" for p in ("x_ptr", "nw_ptr", "w_ptr", "b_ptr", "cos_ptr", "sin_ptr",
                                   "q_ptr", "kc_ptr", "vc_ptr")}  # fmt: skip
     types.update(pos_ptr="*i64", slot_ptr="*i64", M="i32", eps="fp32")
     types.update({s: "i32" for s in kernel.arg_names if s.startswith("stride")})
     const = dict(K=2048, K_PAD=2048, BLOCK_M=1, PAIRS=4, HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=4,
-                 PAGE_SIZE=16, HAS_BIAS=False, PDL=True, EVICT_FIRST=evict, TRACE=False,
-                 trace_ptr=None)  # fmt: skip
+                 PAGE_SIZE=16, HAS_BIAS=False, PDL=True)  # fmt: skip
     return _ptx(kernel, types, const, num_warps=4)
 
 
@@ -75,12 +73,11 @@ _KERNELS = {"fused_gemv": _gemv_ptx, "qkv_rope": _qkv_ptx}
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory) -> dict:
-    """{(kernel, evict): PTX}, compiled once in a subprocess without the interpreter."""
+    """{kernel: PTX}, compiled once in a subprocess without the interpreter."""
     out = tmp_path_factory.mktemp("ptx")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=600)
-    return {(name, evict): (out / f"{name}-{int(evict)}.ptx").read_text()
-            for name in _KERNELS for evict in (True, False)}  # fmt: skip
+    return {name: (out / f"{name}.ptx").read_text() for name in _KERNELS}
 
 
 def _loads_after_wait(text: str) -> list[str]:
@@ -90,7 +87,7 @@ def _loads_after_wait(text: str) -> list[str]:
 
 @pytest.mark.parametrize("kernel", list(_KERNELS))
 def test_weight_loads_are_evict_first_and_activations_are_not(ptx, kernel):
-    text = ptx[kernel, True]
+    text = ptx[kernel]
     assert "griddepcontrol.wait" in text  # PDL: the weights are loaded before it
     before = text.split("griddepcontrol.wait", 1)[0]
     assert _POLICY.search(before)
@@ -100,15 +97,6 @@ def test_weight_loads_are_evict_first_and_activations_are_not(ptx, kernel):
     assert not any(_HINTED.search(line) for line in after), after
 
 
-@pytest.mark.parametrize("kernel", list(_KERNELS))
-def test_no_hint_when_switched_off(ptx, kernel):
-    text = ptx[kernel, False]
-    assert "griddepcontrol.wait" in text
-    assert not _POLICY.search(text)
-    assert not _HINTED.search(text)
-
-
 if __name__ == "__main__":
     for name, compile_ptx in _KERNELS.items():
-        for evict in (True, False):
-            Path(sys.argv[1], f"{name}-{int(evict)}.ptx").write_text(compile_ptx(evict))
+        Path(sys.argv[1], f"{name}.ptx").write_text(compile_ptx())

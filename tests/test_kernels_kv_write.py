@@ -53,15 +53,6 @@ def _case(
     return [t.to(DEVICE) for t in (key, value, key_cache, value_cache, slots)]
 
 
-def test_runs_on_cpu_in_interpreter():
-    if ON_GPU:
-        pytest.skip("CUDA machine: kernels run compiled")
-    assert kv_write_mod.interpreting()
-    key, value, kc, vc, slots = _case(3, 1, 64, 2, 16, torch.float32, torch.float32)
-    assert key.device.type == "cpu"
-    write_kv(key, value, kc, vc, slots)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "num_kv_heads, head_dim, block_size", [(2, 64, 16), (3, 80, 32), (1, 96, 16), (8, 128, 64)]

@@ -41,9 +41,26 @@ def test_greedy_parity_chunked_prefill(arch, tiny_model, batch_factory):
     model = tiny_model(arch)
     ids, mask = batch_factory(LENGTHS, seed=1)
     ref = _reference(model, ids, mask, max_new_tokens=24)
-    out, stats = _paged(model, ids, mask, {"max_num_batched_tokens": 32}, max_new_tokens=24)
+    hf_paged.patch(model, max_num_batched_tokens=32)
+    try:
+        engine = hf_paged.get_engine(model)
+        real_schedule, partial = engine.scheduler.schedule, []
+
+        def schedule(*a, **k):  # prompt chunks that stop short of the prompt's end
+            out = real_schedule(*a, **k)
+            for req, n in zip(out.requests, out.num_scheduled_tokens):
+                if req.num_computed_tokens + n < req.num_prompt_tokens:
+                    partial.append(req.request_id)
+            return out
+
+        engine.scheduler.schedule = schedule
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+        engine.check_invariants()
+    finally:
+        hf_paged.unpatch(model)
     assert torch.equal(out, ref)
-    assert stats["max_num_batched_tokens"] == 32
+    # the 33-, 64-, 150-, 300- and 90-token prompts exceed the 32-token budget: each was split
+    assert len(set(partial)) >= 5, partial
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -91,27 +91,6 @@ def test_rotary_tables_or_per_step_rotary(tiny_model, rope, tables):
     assert 3 in seen
 
 
-def test_qkv_rope_knob_keeps_rope_as_its_own_launch(tiny_model, monkeypatch):
-    monkeypatch.setenv("HF_PAGED_QKV_ROPE", "0")
-    eng = Engine(tiny_model("llama"), small_batch_rows=8, **ENGINE)
-    assert eng.runner.small_batch.cos_table is None
-
-
-def test_decode_attention_knob_sends_decodes_to_the_general_kernel(tiny_model, monkeypatch):
-    from hf_paged import kernels
-
-    monkeypatch.setenv("HF_PAGED_DECODE_ATTENTION", "0")
-    monkeypatch.setattr(kernels, "decode_attention", None)  # must not be called
-    model = tiny_model("llama")
-    prompts = _prompts([4, 9])
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    want = Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
-    eng = Engine(model, small_batch_rows=8, **ENGINE)
-    assert eng.runner.small_batch.decode_attention is False
-    got = eng.generate(prompts, params)
-    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
-
-
 def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
     model = tiny_model("llama")
     prompts = _prompts([5, 6, 7, 8])

@@ -1,0 +1,122 @@
+"""What the profiling scripts share: the evals package, model shapes, the H200's ceilings, timing
+and the engine options as command-line flags.
+
+Each script in this folder runs as `python evals/profiling/NAME.py --flag value ...` and imports
+this module first. The evals folder is loaded as the package `hf_paged_evals` (evals/run.py's
+load_package), never put on sys.path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+EVALS = Path(__file__).resolve().parents[1]
+
+
+def load_evals() -> types.ModuleType:
+    """evals/ as the package hf_paged_evals (idempotent)."""
+    if "hf_paged_evals" in sys.modules:
+        return sys.modules["hf_paged_evals"]
+    spec = importlib.util.spec_from_file_location("hf_paged_evals_run", EVALS / "run.py")
+    run_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_py)
+    return run_py.load_package()
+
+
+load_evals()
+from hf_paged_evals import models, roofline, workloads  # noqa: E402
+
+# The H200's ceilings, measured there (one source: evals/roofline.py): ~4.2 TB/s copy and
+# ~775 TFLOP/s bf16 dense matmul.
+PEAK_BW = roofline.H200.bandwidth
+PEAK_FLOPS = roofline.H200.flops
+SHAPES = tuple(models.SHAPES)  # --shape: model shapes built with random weights
+
+
+def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda"):
+    """A model of a named shape (evals/models.py) with random weights: speed does not depend on
+    weight values."""
+    return models.build_random_model(shape, dtype, torch.device(device))
+
+
+def w1_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    """W1's prompts, from the harness's own workload definition (evals/workloads.py)."""
+    return [r.prompt_token_ids for r in workloads.synthetic(vocab_size, seed=seed).requests]
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as a flag (--small-batch-rows 0, --compile 0, ...); unset flags
+    keep the engine's defaults. Booleans take 0 or 1."""
+    from hf_paged.config import EngineConfig
+
+    group = parser.add_argument_group("engine options (default: the engine's own)")
+    for field in dataclasses.fields(EngineConfig):
+        kind = str(field.type)
+        if "bool" in kind:
+            convert = _bool
+        elif "int" in kind:
+            convert = int
+        elif "float" in kind:
+            convert = float
+        else:
+            convert = str
+        group.add_argument(f"--{field.name.replace('_', '-')}", type=convert, default=None)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options set on the command line, as Engine keyword arguments."""
+    from hf_paged.config import EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _bool(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"expected 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def bench_graph(fn, budget_ms: float = 150.0) -> float:
+    """Median milliseconds of CUDA-graph replays of fn, L2 flushed before each (not timed).
+
+    Decode steps run from CUDA graphs in the engine, so this is the time that matters there; it
+    also keeps Python launch overhead out of kernel-vs-kernel comparisons.
+    """
+    flush = torch.empty(256 * 1024**2 // 4, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    reps = int(min(100, max(5, budget_ms / max(t0.elapsed_time(t1), 1e-3))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    del graph
+    return times[len(times) // 2]

@@ -1,0 +1,123 @@
+"""Host (CPU) time per decode step, split by phase, with the model's forward stubbed out.
+
+    python evals/profiling/host_overhead.py [--running 256] [--steps 100] [--freeze 0]
+
+What the step loop costs the host whatever the model: scheduling, input preparation, the output
+update and building RequestOutputs. With asynchronous scheduling this work overlaps the GPU's,
+so it bounds the step time only when it exceeds the GPU time per step (evals/RESULTS.md has both
+for the TinyLlama-1.1B shape on the H200). A one-layer, 64-wide Llama
+stands in for the model (its forward is replaced by a zero-logits stub); runs on CPU.
+
+Also reported: the slowest step and the garbage collections during the timed steps. They run
+inside hf_paged.gc_freeze.frozen_heap(), as Engine.generate does; --freeze 0 runs them without it,
+to show what full collections of the pre-run heap cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+
+import torch
+
+PHASES = {  # phase -> (owner attribute path on the engine, method)
+    "schedule": ("scheduler", "schedule"),
+    "prepare inputs": ("runner", "_prepare_inputs"),
+    "execute (incl. prepare)": ("runner", "execute"),
+    "update": ("scheduler", "update_from_output"),
+    "outputs (incl. update)": (None, "_after_execute"),
+}
+
+
+def measure(
+    running: int = 256, steps: int = 100, prompt_len: int = 200, freeze: bool = True
+) -> dict[str, float]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_paged import Engine, SamplingParams
+    from hf_paged.gc_freeze import frozen_heap
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    engine = Engine(LlamaForCausalLM(cfg).eval(), max_num_seqs=running, num_blocks=20000)
+    params = SamplingParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
+    for i in range(running):
+        engine.add_request([(7 * i + j) % 500 + 3 for j in range(prompt_len)], params)
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()  # prefill with the real model
+    engine.runner._forward = lambda ids, pos, keep: torch.zeros(keep.shape[0], cfg.vocab_size)
+    for _ in range(5):
+        engine.step()
+    spent = dict.fromkeys(PHASES, 0.0)
+    for phase, (owner, name) in PHASES.items():
+        obj = engine if owner is None else getattr(engine, owner)
+        fn = getattr(obj, name)
+
+        def timed(*a, _fn=fn, _phase=phase, **k):
+            t = time.perf_counter()
+            out = _fn(*a, **k)
+            spent[_phase] += time.perf_counter() - t
+            return out
+
+        setattr(obj, name, timed)
+    collections = {0: [], 1: [], 2: []}  # generation -> pause (s) of each collection
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections[info["generation"]].append(time.perf_counter() - started[0])
+
+    slowest = 0.0
+    gc.callbacks.append(on_gc)
+    heap = frozen_heap() if freeze else contextlib.nullcontext()
+    try:
+        with heap:  # as Engine.generate does; this loop steps the engine itself
+            t = time.perf_counter()
+            for _ in range(steps):
+                t_step = time.perf_counter()
+                engine.step()
+                slowest = max(slowest, time.perf_counter() - t_step)
+            total = time.perf_counter() - t
+    finally:
+        gc.callbacks.remove(on_gc)
+    result = {"step()": total / steps * 1e3}
+    result.update({k: v / steps * 1e3 for k, v in spent.items()})
+    result["slowest step"] = slowest * 1e3
+    for gen, pauses in collections.items():
+        result[f"gen-{gen} collections"] = len(pauses)
+        result[f"gen-{gen} collection ms, total"] = sum(pauses) * 1e3
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, default=256, help="running decode requests")
+    parser.add_argument("--steps", type=int, default=100, help="timed decode steps")
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--freeze", type=int, choices=(0, 1), default=1, help="0: no gc.freeze")
+    args = parser.parse_args()
+    running = args.running
+    result = measure(running, args.steps, args.prompt_len, args.freeze == 1)
+    cpu = f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"host time per decode step, {running} running requests, forward stubbed ({cpu}):")
+    for name, value in result.items():
+        unit = "" if name.endswith("collections") else " ms"
+        print(f"  {name:32s} {value:8.3f}{unit}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""evals/profiling/ scripts run as users run them (`python evals/profiling/NAME.py`): they import
+their shared set-up, parse one CLI style, and host_overhead.py measures on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROFILING = Path(__file__).resolve().parents[1] / "evals" / "profiling"
+
+
+def _run(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=PROFILING
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("script", ["engine_bench.py", "kernel_bench.py"])
+def test_gpu_scripts_parse_their_flags(script):
+    text = _run(str(PROFILING / script), "--help")
+    assert text.startswith("usage:")
+    if script == "engine_bench.py":  # every engine option is a flag
+        for flag in ("--small-batch-rows", "--compile", "--max-graph-tokens", "--shape"):
+            assert flag in text
+
+
+def test_host_overhead_measures_each_phase_on_the_cpu():
+    text = _run(str(PROFILING / "host_overhead.py"), "--running", "4", "--steps", "3")
+    assert "4 running requests" in text
+    rows = {line[:34].strip(): line for line in text.splitlines()[1:] if line.strip()}
+    assert {"step()", "schedule", "update", "slowest step"} <= set(rows)
+    step_ms = float(rows["step()"].split()[-2])
+    assert step_ms > 0
