@@ -1,6 +1,6 @@
 """Concurrent model.generate calls from many threads on one patched model, against one thread.
 
-    python evals/concurrent_generate.py --threads 64 --calls 4 --prompt-len 128 --new-tokens 64
+    python evals/profiling/concurrent_generate.py --threads 64 --calls 4 --new-tokens 64
 
 Each thread makes --calls generate calls (one prompt each, random tokens, greedy, EOS ignored).
 First every call runs in one thread, one after the other (the reference outputs and the
@@ -13,53 +13,31 @@ afterwards, and the bandwidth bound of a decode step at the concurrent batch siz
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
-from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # evals/kernels.py must not shadow the PyPI `kernels` package
-
-import torch  # noqa: E402
-
-SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
-    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
-    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256),
-}
-HBM_BYTES_PER_S = 4.2e12  # measured copy bandwidth of the H200
+import bench_setup
+import torch
 
 
 def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-    )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model = bench_setup.build_model(shape, dtype, device)
     with torch.no_grad():  # well separated greedy choices: random logits are near-uniform
-        model.lm_head.weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = None  # every call makes exactly --new-tokens
     return model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tinyllama-1.1b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="tinyllama-1.1b", choices=bench_setup.SHAPES)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=64)
     ap.add_argument("--calls", type=int, default=4, help="generate calls per thread")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    bench_setup.add_engine_options(ap)
     args = ap.parse_args()
 
     import hf_paged
@@ -69,7 +47,7 @@ def main() -> None:
     model = build(args.shape, dtype, device)
     vocab = model.config.vocab_size
     t0 = time.perf_counter()
-    hf_paged.patch(model)
+    hf_paged.patch(model, **bench_setup.engine_options(args))
     startup = time.perf_counter() - t0
     engine = hf_paged.get_engine(model)
     g = torch.Generator().manual_seed(1)
@@ -114,7 +92,7 @@ def main() -> None:
     free = engine.kv.get_num_free_blocks() == engine.kv.num_blocks
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batch = min(args.threads, engine.config.max_num_seqs)
-    bound = batch * HBM_BYTES_PER_S / weight_bytes  # weights once per step; KV reads ignored
+    bound = batch * bench_setup.PEAK_BW / weight_bytes  # weights once per step; KV ignored
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"model: {args.shape} shape, {args.dtype}, random weights, {weight_bytes / 1e9:.2f} GB")
     print(
