@@ -162,6 +162,8 @@ class Engine:
 
     def _admit_inbox(self) -> None:
         """Run what the inbox holds, in order (under the step lock, at the start of a step)."""
+        if not self._inbox:  # the usual step: nothing new (an empty inbox reserves no id)
+            return
         with self._inbox_lock:
             actions, self._inbox = self._inbox, []
             for action in actions:
