@@ -107,6 +107,16 @@ def left_padded_batch(lengths: list[int], vocab: int = VOCAB, pad: int = 0, seed
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two torch
+    threads per process make every small op wait for a core: long loops of tiny steps use one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def batch_factory():
     return left_padded_batch
 

@@ -297,9 +297,11 @@ def _walk(tiny_model, seed: int, num_ops: int, threads: int) -> dict:
 
 # Seeds picked for their engine options: synchronous with prefix caching (4), asynchronous FCFS
 # with 12 blocks (7), asynchronous with priorities and a second thread calling generate (6).
-# 3 x 800 = 2,400 operations, ~30 s on 2 CPU cores.
+# 3 x 800 = 2,400 operations, ~10 s on 2 CPU cores.
 @pytest.mark.parametrize("seed, threads", [(4, 1), (7, 1), (6, 2)])
-def test_random_walk_keeps_invariants_and_matches_single_request_runs(tiny_model, seed, threads):
+def test_random_walk_keeps_invariants_and_matches_single_request_runs(
+    tiny_model, one_torch_thread, seed, threads
+):
     stats = _walk(tiny_model, seed, 800, threads)
     assert stats["ops"]["add"] > 100 and stats["ops"]["abort"] > 10
     assert stats["preemptions"] > 0  # the cache is small enough to force preemption
@@ -318,6 +320,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, choices=[1, 2])
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as the one_torch_thread fixture: tiny ops, no intra-op threads
     t0 = time.perf_counter()
     stats = _walk(build_model, args.seed, args.ops, args.threads)
     print(f"seed {args.seed}, {args.threads} thread(s), {time.perf_counter() - t0:.0f} s: {stats}")

@@ -76,7 +76,9 @@ def test_beam_search_releases_rows_small_max_num_seqs(tiny_model, batch_factory)
     assert torch.equal(greedy, _reference(ref, ids, mask, max_new_tokens=6))
 
 
-def test_hundred_beam_calls_then_greedy_match_transformers(tiny_model, batch_factory):
+def test_hundred_beam_calls_then_greedy_match_transformers(
+    tiny_model, one_torch_thread, batch_factory
+):
     """With the defaults, batch 4 x 4 beams failed on the 17th call."""
     model, ref = tiny_model("llama"), tiny_model("llama")
     hf_paged.patch(model)
@@ -170,7 +172,9 @@ def test_beam_user_criterion_exception_reaches_the_caller(tiny_model, batch_fact
 # -- 3. threads -----------------------------------------------------------------------------------
 
 
-def test_generate_from_eight_threads_matches_one_thread(tiny_model, batch_factory):
+def test_generate_from_eight_threads_matches_one_thread(
+    tiny_model, one_torch_thread, batch_factory
+):
     model = tiny_model("llama")
     hf_paged.patch(model)
     engine = hf_paged.get_engine(model)
@@ -205,7 +209,7 @@ def test_generate_from_eight_threads_matches_one_thread(tiny_model, batch_factor
     _nothing_held(engine)
 
 
-def test_engine_stepped_by_one_thread_while_another_adds_and_aborts(tiny_model):
+def test_engine_stepped_by_one_thread_while_another_adds_and_aborts(tiny_model, one_torch_thread):
     engine = Engine(tiny_model("llama"), max_num_seqs=4, block_size=4, num_blocks=24)
     prompts = [_prompt(3 + s % 9, s) for s in range(40)]
     params = SamplingParams(max_tokens=6, temperature=0)
