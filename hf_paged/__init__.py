@@ -7,11 +7,11 @@ hf_paged.unpatch(model)
 """
 
 from hf_paged.config import EngineConfig
+from hf_paged.core.request import RequestOutput
 from hf_paged.engine import Engine
+from hf_paged.generation.patching import get_engine, patch, unpatch
+from hf_paged.generation.pipelines import pipeline
 from hf_paged.integrations.pipeline import install as _install_pipeline_backend
-from hf_paged.patching import get_engine, patch, unpatch
-from hf_paged.pipelines import pipeline
-from hf_paged.request import RequestOutput
 from hf_paged.sampling_params import SamplingParams
 
 __all__ = [

@@ -39,7 +39,7 @@ class EngineConfig:
     compile: bool | None = None
     # "layers": each decoder layer compiled, all sharing one graph: start-up of one layer's
     # compile (H200, 1.1B shape, 2026-11-29: 12 s against 77 s for "model"), same W1 speed
-    # (42.5k vs 42.7k tokens/s). "model": one graph for the whole forward. hf_paged/compilation.py
+    # (42.5k vs 42.7k tokens/s). "model": one graph for the whole forward. worker/compilation.py
     compile_scope: str = "layers"
     # Overlap: schedule and launch step n+1 before step n's tokens reach the host (they are read
     # on the device); stop checks run one step late, so a request that stops computes one token
@@ -53,7 +53,7 @@ class EngineConfig:
     # model is put back by Engine.shutdown / unpatch, and state_dict() keeps the original names
     # meanwhile. H200, 1.1B shape: batch-1 GPU time per step 1.52 -> 1.22 ms.
     fuse_projections: bool = True
-    # Steps of at most this many tokens (1-8) run hf_paged/small_batch_forward.py: each decoder
+    # Steps of at most this many tokens (1-8) run worker/small_batch_forward.py: each decoder
     # layer as six fused Triton launches (RMSNorm in the GEMV, residual adds and SiLU-mul in its
     # epilogue, RoPE with the KV write) instead of transformers' forward, on models it supports
     # (Llama, Mistral, Qwen2 with fused projections and the Triton attention backend; others run

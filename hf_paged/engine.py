@@ -17,16 +17,16 @@ from numbers import Integral
 
 import torch
 
-from hf_paged.attention import ATTN_IMPLEMENTATION
 from hf_paged.config import EngineConfig
+from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.request import Request, RequestOutput, RequestStatus
+from hf_paged.core.scheduler import Scheduler
+from hf_paged.core.stop_checker import build_stop_checkers
 from hf_paged.gc_freeze import frozen_heap
-from hf_paged.kv_cache_manager import KVCacheManager
-from hf_paged.model_runner import ModelRunner
-from hf_paged.request import Request, RequestOutput, RequestStatus
+from hf_paged.generation.streaming import RequestStream
 from hf_paged.sampling_params import F_RENORM, F_WARP, SamplingParams
-from hf_paged.scheduler import Scheduler
-from hf_paged.stop_checker import build_stop_checkers
-from hf_paged.streaming import RequestStream
+from hf_paged.worker.attention import ATTN_IMPLEMENTATION
+from hf_paged.worker.model_runner import ModelRunner
 
 
 class Engine:
@@ -106,7 +106,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_steps = 0
-        self._beam_groups: set = set()  # hf_paged.beam_search groups in flight
+        self._beam_groups: set = set()  # hf_paged.generation.beam_search groups in flight
         self._inflight = None  # async_scheduling: (SchedulerOutput, PendingOutput) launched
         self.peak_blocks_used = 0
         self._streams: dict[str, RequestStream] = {}  # request id -> the stream it reports to

@@ -16,7 +16,8 @@ F_WARP = 1 << 5  # a sampling row: temperature / top-k / top-p / min-p / typical
 F_RENORM = 1 << 6
 F_RECORD = 1 << 7  # output_scores / output_logits / logprobs
 F_FORK = 1 << 8  # n > 1: siblings sample their first token from the parent's logits row
-F_BEAM = 1 << 9  # a beam: its logits row goes to hf_paged.beam_search, not to the sampler
+# a beam: its logits row goes to hf_paged.generation.beam_search, not to the sampler
+F_BEAM = 1 << 9
 
 
 def _ints(name: str, ids, allow_empty: bool = True) -> list[int]:
@@ -70,7 +71,8 @@ class SamplingParams:
     # request's own token ids ([1, num_tokens], no padding): a Python call per request per step.
     logits_processors: list | None = None
     stopping_criteria: list | None = None
-    beam_search: bool = False  # internal: set by hf_paged.beam_search for its beam requests
+    # internal: set by hf_paged.generation.beam_search for its beam requests
+    beam_search: bool = False
     features: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

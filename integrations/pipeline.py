@@ -36,7 +36,7 @@ def install() -> None:
     def pipeline(*args, backend=None, **kwargs):
         if backend is None:
             return current(*args, **kwargs)
-        from hf_paged.pipelines import pipeline as paged_pipeline
+        from hf_paged.generation.pipelines import pipeline as paged_pipeline
 
         return paged_pipeline(*args, backend=backend, **kwargs)
 

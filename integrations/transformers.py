@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from hf_paged.attention import ATTN_IMPLEMENTATION, register
+from hf_paged.worker.attention import ATTN_IMPLEMENTATION, register
 
 _LEASE = "_hf_paged_lease"
 

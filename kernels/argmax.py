@@ -9,7 +9,7 @@ in-register reduction).
 Same answer as torch.argmax: the first index of the maximum, and NaN counts as the maximum (the
 first NaN's index), so a row of -inf (every token masked) gives 0 as torch does.
 
-Options that serve the decode CUDA graph (hf_paged/cuda_graphs.py), which takes its greedy
+Options that serve the decode CUDA graph (hf_paged/worker/cuda_graphs.py), which takes its greedy
 tokens inside the graph:
 
 - scatter=(dst, rows): also dst[rows[i]] = token of row i, in the same kernel. With asynchronous
@@ -132,8 +132,8 @@ def _argmax_rows_kernel(
 class DecodeAdvance:
     """A decode CUDA graph's inputs that argmax_rows(advance=...) moves on by one token for
     each real row (rows[i] >= 0), so the next step of the same rows needs no copy from the
-    host (hf_paged/cuda_graphs.py): positions += 1, seq_lens += 1, slot_mapping from the block
-    table at the new position. The host landing row then alternates from the host's slot with
+    host (hf_paged/worker/cuda_graphs.py): positions += 1, seq_lens += 1, slot_mapping from the
+    block table at the new position. The host landing row then alternates from the host's slot with
     every step since the host last sent positions (sent_positions)."""
 
     positions: torch.Tensor  # int64 [M]

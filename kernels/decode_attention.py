@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_paged.forward_context import AttentionMetadata
+from hf_paged.worker.forward_context import AttentionMetadata
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .paged_attention import (

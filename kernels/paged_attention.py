@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_paged.forward_context import AttentionMetadata
+from hf_paged.worker.forward_context import AttentionMetadata
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 from .kv_write import check_kv_cache_pair, check_launchable

@@ -11,7 +11,7 @@ import torch
 
 import hf_paged
 from hf_paged import Engine, SamplingParams
-from hf_paged.async_output import PendingOutput
+from hf_paged.worker.async_output import PendingOutput
 
 
 def _prompts(lengths, seed=0):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hf_paged.kernels import paged_attention_ref, write_kv_ref
 
-from hf_paged.forward_context import AttentionMetadata
+from hf_paged.worker.forward_context import AttentionMetadata
 
 
 def _scatter_into_cache(seqs_k, seqs_v, block_size, num_blocks, seed=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_paged.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
+from hf_paged.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
 
 
 def test_free_queue_is_fifo_with_o1_removal_from_the_middle():

@@ -54,7 +54,7 @@ def test_compile_scope_is_validated(tiny_model):
 
 
 def test_a_model_compile_cannot_handle_runs_eager_with_a_warning(tiny_model, monkeypatch):
-    import hf_paged.model_runner as model_runner
+    import hf_paged.worker.model_runner as model_runner
 
     model = tiny_model("llama", num_hidden_layers=1)
     prompts = _prompts()

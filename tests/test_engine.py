@@ -267,7 +267,7 @@ def test_patched_model_forward_outside_the_engine_is_plain_transformers(tiny_mod
 
 
 def test_attention_arguments_that_change_semantics_are_refused(tiny_model):
-    from hf_paged.attention import _refuse_unsupported
+    from hf_paged.worker.attention import _refuse_unsupported
 
     module = torch.nn.Module()
     with pytest.raises(ValueError, match="bidirectional"):

@@ -15,8 +15,8 @@ from transformers.generation.logits_process import (
 
 import hf_paged
 from hf_paged import Engine, SamplingParams
-from hf_paged.request import Request
-from hf_paged.sampler import Sampler
+from hf_paged.core.request import Request
+from hf_paged.sample.sampler import Sampler
 
 VOCAB = 24
 

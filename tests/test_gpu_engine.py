@@ -158,7 +158,7 @@ def test_mixed_step_graphs_change_no_greedy_output_fp32():
 
 @pytest.mark.small_batch
 def test_small_batch_forward_changes_no_greedy_output_fp32():
-    # steps of <= 8 tokens through hf_paged/small_batch_forward.py (fused GEMVs, RoPE + KV
+    # steps of <= 8 tokens through hf_paged/worker/small_batch_forward.py (fused GEMVs, RoPE + KV
     # write, PDL): eager, graphs, graphs + compile, every default, PDL off; batch 6 and batch 1
     model = _model(torch.float32)
     for lengths, seed in (([5, 17, 40, 9, 100, 33], 6), ([300], 7)):
@@ -187,11 +187,11 @@ def test_small_batch_forward_changes_no_greedy_output_fp32():
 @pytest.mark.parametrize("lengths", [[300], [5, 40, 17]])  # batch 1; batch 3 padded to 4
 def test_in_graph_greedy_tokens_change_no_greedy_output_fp32(lengths):
     # All-greedy decode steps take their tokens from the decode graph (argmax + last_tokens
-    # write inside it, hf_paged/cuda_graphs.py), not from the sampler: graphs on against graphs
-    # off, synchronous and asynchronous (the next input read from last_tokens), through the
+    # write inside it, hf_paged/worker/cuda_graphs.py), not from the sampler: graphs on against
+    # graphs off, synchronous and asynchronous (the next input read from last_tokens), through the
     # small-batch forward (batch 1: the argmax launched with PDL) and transformers' forward
     # (the padded batch of 3, or small_batch_rows=0)
-    from hf_paged.sampler import Sampler
+    from hf_paged.sample.sampler import Sampler
 
     model = _model(torch.float32)
     ids, mask = _batch(lengths, seed=8)

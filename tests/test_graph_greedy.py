@@ -1,4 +1,4 @@
-"""The decode graph's in-graph greedy tokens (hf_paged/cuda_graphs.py, kernels/argmax.py's
+"""The decode graph's in-graph greedy tokens (hf_paged/worker/cuda_graphs.py, kernels/argmax.py's
 scatter), run without capture (CudaGraphRunner(eager=True)) on the CPU with the Triton kernels
 interpreted: an all-greedy decode batch takes its tokens from the graph and skips the sampler;
 any other batch still samples; padded rows never write into last_tokens. Replay itself, batch 1
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from hf_paged.cuda_graphs import CudaGraphRunner
-from hf_paged.sampler import Sampler
+from hf_paged.sample.sampler import Sampler
+from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
 
 def _prompts(lengths, seed=0):

@@ -11,9 +11,10 @@ import random
 import pytest
 import torch
 
-from hf_paged import Engine, SamplingParams, cuda_graphs
-from hf_paged.cuda_graphs import CudaGraphRunner, graph_buckets, token_buckets
+from hf_paged import Engine, SamplingParams
 from hf_paged.testing import drive_engine
+from hf_paged.worker import cuda_graphs
+from hf_paged.worker.cuda_graphs import CudaGraphRunner, graph_buckets, token_buckets
 
 
 def test_token_buckets():

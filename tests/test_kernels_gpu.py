@@ -15,7 +15,7 @@ import torch
 from hf_paged.kernels import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from hf_paged.kernels.kv_write import interpreting
 
-from hf_paged.forward_context import AttentionMetadata
+from hf_paged.worker.forward_context import AttentionMetadata
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 
-from hf_paged.forward_context import AttentionMetadata  # noqa: E402
+from hf_paged.worker.forward_context import AttentionMetadata  # noqa: E402
 
 # import_module, not `import ... as`: the package re-exports a function named paged_attention,
 # which shadows the submodule as an attribute.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_paged.kv_cache_manager import KVCacheManager
-from hf_paged.request import Request
+from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.request import Request
 from hf_paged.sampling_params import SamplingParams
 
 

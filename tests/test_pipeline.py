@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import hf_paged
-from hf_paged.pipelines import PagedTextGenerationPipeline
+from hf_paged.generation.pipelines import PagedTextGenerationPipeline
 from hf_paged.testing import tiny_tokenizer
 
 TEXTS = ["hello there", "the quick brown fox jumps over", "a", "zebra crossing at noon"]

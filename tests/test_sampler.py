@@ -10,8 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hf_paged.request import Request
-from hf_paged.sampler import Sampler, apply_top_k, apply_top_p
+from hf_paged.core.request import Request
+from hf_paged.sample.sampler import Sampler, apply_top_k, apply_top_p
 from hf_paged.sampling_params import SamplingParams
 
 

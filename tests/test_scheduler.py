@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_paged.config import EngineConfig
-from hf_paged.kv_cache_manager import KVCacheManager
-from hf_paged.request import Request, RequestStatus
+from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.request import Request, RequestStatus
+from hf_paged.core.scheduler import ModelRunnerOutput, Scheduler
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.scheduler import ModelRunnerOutput, Scheduler
 
 EOS = 1
 

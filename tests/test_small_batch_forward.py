@@ -1,5 +1,5 @@
-"""Engine steps of <= small_batch_rows tokens run hf_paged/small_batch_forward.py (fused Triton
-GEMVs, RoPE + KV write, paged attention; Triton interpreter on CPU). Its greedy tokens and
+"""Engine steps of <= small_batch_rows tokens run hf_paged/worker/small_batch_forward.py (fused
+Triton GEMVs, RoPE + KV write, paged attention; Triton interpreter on CPU). Its greedy tokens and
 log-probs must equal the engine's transformers forward; unsupported models must run as before."""
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def test_small_batch_rows_validation(tiny_model, bad):
 
 @pytest.mark.parametrize("rows,warmed", [(8, {1, 2, 4, 8}), (3, {1, 2, 3}), (2, {1, 2})])
 def test_warm_up_compiles_every_row_count_it_will_run(tiny_model, monkeypatch, rows, warmed):
-    from hf_paged.startup import warm_up_kernels
+    from hf_paged.worker.startup import warm_up_kernels
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     eng = Engine(tiny_model("llama", num_hidden_layers=1), small_batch_rows=rows, **ENGINE)

@@ -1,4 +1,4 @@
-"""The runner's start-up paths that normally run only on CUDA (hf_paged/startup.py), driven on the
+"""The runner's start-up paths that normally run only on CUDA (worker/startup.py), driven on the
 CPU with torch.cuda's memory queries stubbed: KV-cache sizing from a profiling forward, and the
 attention-kernel warm-up (Triton interpreter)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from hf_paged.startup import _profile_cuda_num_blocks, warm_up_kernels
+from hf_paged.worker.startup import _profile_cuda_num_blocks, warm_up_kernels
 
 MiB = 2**20
 

@@ -38,7 +38,7 @@ from hf_paged.kernels import paged_attention, write_kv
 from hf_paged.kernels.paged_attention import AttentionConfig, choose_num_kv_splits
 from triton.testing import do_bench
 
-from hf_paged.forward_context import AttentionMetadata
+from hf_paged.worker.forward_context import AttentionMetadata
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B attention
 DTYPE = torch.bfloat16

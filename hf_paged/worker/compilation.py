@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_paged.attention import register_layer_indices, remove_layer_indices
+from hf_paged.worker.attention import register_layer_indices, remove_layer_indices
 
 SCOPES = ("model", "layers")
 

@@ -16,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hf_paged.config import EngineConfig
-from hf_paged.kv_cache_manager import KVCacheManager
-from hf_paged.request import Request, RequestStatus
-from hf_paged.stop_checker import should_stop
+from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.request import Request, RequestStatus
+from hf_paged.core.stop_checker import should_stop
 
 
 @dataclass(slots=True)

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_paged.compilation import decoder_layers
-from hf_paged.forward_context import PendingTokens, get_forward_context
+from hf_paged.worker.compilation import decoder_layers
+from hf_paged.worker.forward_context import PendingTokens, get_forward_context
 
 # Decoder layers that are pre-norm RMSNorm -> attention (rotate_half RoPE) -> residual ->
 # RMSNorm -> SiLU-gated MLP -> residual, with the embedding unscaled and no logit softcap.

@@ -1,6 +1,6 @@
 """Token selection for one step's batch of logits rows.
 
-Raw logits -> hf_paged.logits_processing (transformers' processors and warpers, per-row
+Raw logits -> hf_paged.sample.logits_processing (transformers' processors and warpers, per-row
 parameters) -> argmax for greedy rows, a categorical draw for sampling rows. A draw is
 argmax(probs / E) with E ~ Exponential(1) per vocabulary entry (an exact categorical sample);
 seeded requests draw E from their own generator, so their tokens do not depend on which other
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.host_to_device import device_tensor
-from hf_paged.logits_processing import (  # noqa: F401  (apply_top_* re-exported for callers)
+from hf_paged.core.request import Request
+from hf_paged.sample.logits_processing import (  # noqa: F401  (apply_top_* re-exported for callers)
     LogitsProcessor,
     apply_min_p,
     apply_top_k,
     apply_top_p,
     apply_typical_p,
 )
-from hf_paged.request import Request
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP
+from hf_paged.worker.host_to_device import device_tensor
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,8 @@ class Sampler:
         return tokens
 
     def _defer_beams(self, logits, requests, feats) -> torch.Tensor:
-        """Beam rows keep their raw logits row for hf_paged.beam_search (token -1 here); the
-        other rows are sampled as usual."""
+        """Beam rows keep their raw logits row for hf_paged.generation.beam_search (token -1
+        here); the other rows are sampled as usual."""
         tokens = torch.full((len(requests),), -1, dtype=torch.long, device=logits.device)
         rest = [i for i, f in enumerate(feats) if not f & F_BEAM]
         for i, f in enumerate(feats):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hf_paged.request import Request
+from hf_paged.core.request import Request
 
 
 class InputBatch:

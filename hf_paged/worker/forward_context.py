@@ -1,7 +1,7 @@
 """The per-step attention metadata and the forward context that carries it to every layer.
 
 The forward context is the engine's only global: the model runner enters it around one model
-forward, and the registered attention function (hf_paged.attention) reads it in every layer.
+forward, and the registered attention function (hf_paged.worker.attention) reads it in every layer.
 Outside a context the patched model behaves like plain transformers (sdpa).
 """
 
@@ -97,7 +97,7 @@ class PendingTokens:
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) [N, B, Hkv, D]
-    backend: object  # hf_paged.attention.AttentionBackend
+    backend: object  # hf_paged.worker.attention.AttentionBackend
 
 
 _CONTEXT: ForwardContext | None = None

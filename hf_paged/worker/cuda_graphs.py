@@ -59,13 +59,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hf_paged.forward_context import (
+from hf_paged.worker.forward_context import (
     AttentionMetadata,
     ForwardContext,
     PendingTokens,
     forward_context,
 )
-from hf_paged.host_to_device import pinned
+from hf_paged.worker.host_to_device import pinned
 
 # A graph whose block table rows (sequences x max_blocks_per_seq int32) fit in this many bytes
 # takes them inside its packed inputs, so a step sends one copy instead of two (each copy ~1 us

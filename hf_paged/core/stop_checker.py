@@ -14,7 +14,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from hf_paged.request import Request
+from hf_paged.core.request import Request
 from hf_paged.sampling_params import SamplingParams
 
 

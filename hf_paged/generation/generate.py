@@ -36,8 +36,8 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_paged.generation.streaming import LockstepStreamer
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.streaming import LockstepStreamer
 
 # generate() keyword arguments the engine does not implement: refused, never ignored.
 UNSUPPORTED_ARGS = (
@@ -364,7 +364,7 @@ def paged_generate_many(model, inputs: list, generation_config=None, **kwargs) -
     plan = plan_generation(model, generation_config, kwargs)
     batches = [prepare_rows(model, plan, ids, mask) for ids, mask in inputs]
     if (plan.gen.num_beams or 1) > 1:
-        from hf_paged.beam_search import beam_generate
+        from hf_paged.generation.beam_search import beam_generate
 
         return beam_generate(engine, plan, batches)
     prompts = [p for b in batches for p in b.prompts]

@@ -66,7 +66,7 @@ class Request:
     finish_time: float | None = None
     # hashes of this request's full blocks, computed incrementally (prefix caching)
     block_hashes: list = field(default_factory=list)
-    # -- generation options (hf_paged.logits_processing, hf_paged.stop_checker) --------------------
+    # -- generation options (hf_paged.sample.logits_processing, hf_paged.core.stop_checker) --
     banned_token_ids: list[int] = field(default_factory=list)  # suppress_tokens + 1-token bad words
     bad_word_prefixes: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
     ban_mask: torch.Tensor | None = None  # banned_token_ids as a bool [V] row, built on first use
@@ -83,7 +83,7 @@ class Request:
     pending_siblings: list[Request] | None = None
     sibling_index: int = 0
     parent_request_id: str | None = None
-    beam: object | None = None  # hf_paged.beam_search group this request is a beam of
+    beam: object | None = None  # hf_paged.generation.beam_search group this request is a beam of
     beam_logits: torch.Tensor | None = None  # its last logits row, waiting for the group's step
     error: BaseException | None = None  # FINISHED_ERROR: what the user's code raised
 

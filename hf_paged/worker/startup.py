@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hf_paged.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.worker.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 
 class KVCacheSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.scheduler import ModelRunnerOutput
+from hf_paged.core.scheduler import ModelRunnerOutput
 
 
 class PendingOutput:

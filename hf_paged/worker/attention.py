@@ -14,13 +14,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_paged.forward_context import AttentionMetadata, get_forward_context, in_engine_step
+from hf_paged.worker.forward_context import AttentionMetadata, get_forward_context, in_engine_step
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
 
 class AttentionBackend:
-    """write_kv + paged_attention over the contract in hf_paged.forward_context."""
+    """write_kv + paged_attention over the contract in hf_paged.worker.forward_context."""
 
     name = "base"
     graph_safe = False  # no host syncs or host-dependent control flow: CUDA-graph capturable
@@ -147,7 +147,7 @@ def paged_attention_forward(
     cap = float(softcap) if softcap else 0.0
     # compile_scope="layers" registers the layer index as a CPU tensor buffer: as a Python int it
     # would be a constant guarded per layer, and compiled decoder layers would compile once per
-    # layer instead of sharing one graph (hf_paged/compilation.py).
+    # layer instead of sharing one graph (hf_paged/worker/compilation.py).
     layer_t = module._buffers.get(LAYER_BUFFER) if hasattr(module, "_buffers") else None
     layer_idx = getattr(module, "layer_idx", None) if layer_t is None else None
     if layer_t is None and layer_idx is None:

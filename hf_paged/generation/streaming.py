@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from hf_paged.request import RequestOutput
+from hf_paged.core.request import RequestOutput
 
 
 class RequestStream:

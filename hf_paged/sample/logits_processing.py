@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from hf_paged.host_to_device import device_tensor
-from hf_paged.request import Request
+from hf_paged.core.request import Request
 from hf_paged.sampling_params import (
     F_BAN,
     F_NGRAM,
@@ -31,6 +30,7 @@ from hf_paged.sampling_params import (
     F_USER,
     F_WARP,
 )
+from hf_paged.worker.host_to_device import device_tensor
 
 NEG_INF = float("-inf")
 

@@ -23,8 +23,8 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
-from hf_paged.generate import repetition_penalty
-from hf_paged.request import Request, RequestStatus
+from hf_paged.core.request import Request, RequestStatus
+from hf_paged.generation.generate import repetition_penalty
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP, SamplingParams
 
 NEG = -1.0e9

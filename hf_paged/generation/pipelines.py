@@ -16,7 +16,7 @@ import torch
 from transformers.pipelines.text_generation import TextGenerationPipeline
 from transformers.utils import ModelOutput
 
-from hf_paged.generate import paged_generate_many
+from hf_paged.generation.generate import paged_generate_many
 
 BACKENDS = ("hf", "paged")
 
@@ -114,7 +114,7 @@ def pipeline(task=None, model=None, *args, backend: str = "paged", engine_option
             f"backend='paged' serves the text-generation task, not {type(pipe).__name__}; "
             "use backend='hf'"
         )
-    from hf_paged.patching import ENGINE_ATTR, patch
+    from hf_paged.generation.patching import ENGINE_ATTR, patch
 
     if getattr(pipe.model, ENGINE_ATTR, None) is None or engine_options:
         patch(pipe.model, pipe.tokenizer, **(engine_options or {}))

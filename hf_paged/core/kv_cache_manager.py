@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hf_paged.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from hf_paged.request import Request
+from hf_paged.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from hf_paged.core.request import Request
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import types
 import torch
 
 from hf_paged.engine import Engine
-from hf_paged.generate import paged_generate
+from hf_paged.generation.generate import paged_generate
 
 ENGINE_ATTR = "_hf_paged_engine"
 

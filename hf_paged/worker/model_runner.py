@@ -16,23 +16,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hf_paged.async_output import PendingOutput
-from hf_paged.attention import make_backend
-from hf_paged.compilation import compile_model
 from hf_paged.config import EngineConfig
-from hf_paged.forward_context import (
+from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.request import Request
+from hf_paged.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from hf_paged.sample.sampler import Sampler
+from hf_paged.worker.async_output import PendingOutput
+from hf_paged.worker.attention import make_backend
+from hf_paged.worker.compilation import compile_model
+from hf_paged.worker.forward_context import (
     AttentionMetadata,
     ForwardContext,
     PendingTokens,
     forward_context,
 )
-from hf_paged.host_to_device import to_device
-from hf_paged.input_batch import InputBatch
-from hf_paged.kv_cache_manager import KVCacheManager
-from hf_paged.request import Request
-from hf_paged.sampler import Sampler
-from hf_paged.scheduler import ModelRunnerOutput, SchedulerOutput
-from hf_paged.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
+from hf_paged.worker.host_to_device import to_device
+from hf_paged.worker.input_batch import InputBatch
+from hf_paged.worker.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
 
 
 @dataclass(slots=True)
@@ -81,7 +81,7 @@ class ModelRunner:
         self._model_forward = model
         self._undo_compile = None
         self.compile_scope = config.compile_scope if use_compile else None
-        if use_compile:  # hf_paged/compilation.py: whole forward or one graph for every layer
+        if use_compile:  # worker/compilation.py: whole forward or one graph for every layer
             self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self.compiled = use_compile
         self._compile_ok = False
@@ -96,7 +96,7 @@ class ModelRunner:
     def _small_batch_forward(self, model, config: EngineConfig):
         """The fused forward for steps of <= small_batch_rows tokens, where it applies;
         small_batch_status says which (reported by evals)."""
-        from hf_paged.small_batch_forward import SmallBatchForward, unsupported_reason
+        from hf_paged.worker.small_batch_forward import SmallBatchForward, unsupported_reason
 
         if not config.small_batch_rows:
             reason = "small_batch_rows=0"
@@ -136,7 +136,7 @@ class ModelRunner:
             warm_up_kernels(self)
             self.warm_up_seconds = time.perf_counter() - t0
         if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
-            from hf_paged.cuda_graphs import CudaGraphRunner
+            from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
             t0 = time.perf_counter()
             self.graphs = CudaGraphRunner(self)

@@ -1,0 +1,1 @@
+"""Turning logits into tokens: the sampler and logits processing (transformers' processors)."""

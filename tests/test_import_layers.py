@@ -1,0 +1,163 @@
+"""The import graph of the package, read from the source with `ast` (nothing is imported):
+subpackages are layered and a module imports only its own layer or lower ones, at module level
+or inside a function. Layers, low to high:
+
+    base (config, envs, sampling_params, gc_freeze)
+    < core
+    < sample, worker, kernels, integrations (one layer: they may import each other)
+    < engine
+    < generation
+    < top (hf_paged/__init__.py, hf_paged.testing)
+
+An existing import that breaks the order sits in KNOWN with the reason and the step that removes
+it; KNOWN may only shrink (a stale entry fails). core/ importing worker/ or generation/ has no
+allow-list at all."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# source directory -> the package it installs as (pyproject's package-dir)
+ROOTS = {
+    "hf_paged": "hf_paged",
+    "kernels": "hf_paged.kernels",
+    "integrations": "hf_paged.integrations",
+}
+
+BASE, CORE, WORKER, ENGINE, GENERATION, TOP = range(6)
+LAYER_NAMES = ["base", "core", "sample/worker/kernels/integrations", "engine", "generation", "top"]
+LAYERS = {  # longest prefix wins
+    "hf_paged": TOP,
+    "hf_paged.testing": TOP,
+    "hf_paged.config": BASE,
+    "hf_paged.envs": BASE,
+    "hf_paged.sampling_params": BASE,
+    "hf_paged.gc_freeze": BASE,
+    "hf_paged.core": CORE,
+    "hf_paged.sample": WORKER,
+    "hf_paged.worker": WORKER,
+    "hf_paged.kernels": WORKER,
+    "hf_paged.integrations": WORKER,
+    "hf_paged.engine": ENGINE,
+    "hf_paged.generation": GENERATION,
+}
+
+# (importer, imported) -> why it is there and which step removes it. Only shrinks.
+KNOWN: dict[tuple[str, str], str] = {
+    ("hf_paged.engine", "hf_paged.generation.streaming"): (
+        "Engine.stream() returns a RequestStream, the engine's iterator over its outputs, which"
+        " lives with the transformers streamers in generation/streaming.py (module level). Removed"
+        " by issue 25's engine split (input processing / step loop / output processing): the"
+        " stream moves to the engine's output side."
+    ),
+    ("hf_paged.integrations.pipeline", "hf_paged.generation.pipelines"): (
+        "install() wraps transformers.pipeline so backend='paged' calls hf_paged.pipeline (a lazy"
+        " import at call time). Removed when the wrapper moves next to generation/pipelines.py,"
+        " a later step of issue 25 (integrations/ keeps the model glue)."
+    ),
+}
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    raise AssertionError(f"{module} belongs to no layer: add its subpackage to LAYERS")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name."""
+    found = {}
+    for directory, package in ROOTS.items():
+        for path in sorted((REPO / directory).rglob("*.py")):
+            parts = list(path.relative_to(REPO / directory).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path, known_modules) -> set[str]:
+    """The hf_paged modules `name` imports anywhere in its file (relative imports resolved; for
+    `from package import x`, the submodule package.x when x is one)."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = []
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                targets.append(sub if sub in known_modules else source)
+        else:
+            continue
+        out.update(t for t in targets if t == "hf_paged" or t.startswith("hf_paged."))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, found) for name, path in found.items()}
+
+
+def upward_imports(graph) -> set[tuple[str, str]]:
+    return {
+        (importer, imported)
+        for importer, targets in graph.items()
+        for imported in targets
+        if layer(imported) > layer(importer)
+    }
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer(name)
+
+
+def test_the_graph_sees_the_package():
+    graph = import_graph()
+    assert "hf_paged.core.scheduler" in graph and "hf_paged.kernels.argmax" in graph
+    assert "hf_paged.integrations.transformers" in graph
+    assert "hf_paged.core.request" in graph["hf_paged.core.scheduler"]
+    # relative imports inside kernels/ resolve to the installed names
+    assert "hf_paged.kernels.fused_gemv" in graph["hf_paged.kernels.argmax"]
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = upward_imports(import_graph())
+    new = sorted(upward - KNOWN.keys())
+    assert not new, (
+        "imports of a higher layer ("
+        + " < ".join(LAYER_NAMES)
+        + "):\n"
+        + "\n".join(
+            f"  {a} ({LAYER_NAMES[layer(a)]}) imports {b} ({LAYER_NAMES[layer(b)]})" for a, b in new
+        )
+    )
+
+
+def test_known_upward_imports_still_exist():
+    stale = sorted(KNOWN.keys() - upward_imports(import_graph()))
+    assert not stale, f"KNOWN lists imports that are gone (remove them): {stale}"
+
+
+def test_core_imports_no_worker_and_no_generation():
+    bad = sorted(
+        (importer, imported)
+        for importer, targets in import_graph().items()
+        if importer.startswith("hf_paged.core")
+        for imported in targets
+        if imported.startswith(("hf_paged.worker", "hf_paged.generation"))
+    )
+    assert not bad, bad
