@@ -48,14 +48,14 @@ LAYERS = {  # longest prefix wins
 KNOWN: dict[tuple[str, str], str] = {
     ("hf_paged.engine", "hf_paged.generation.streaming"): (
         "Engine.stream() returns a RequestStream, the engine's iterator over its outputs, which"
-        " lives with the transformers streamers in generation/streaming.py (module level). Removed"
-        " by issue 25's engine split (input processing / step loop / output processing): the"
+        " lives with the transformers streamers in generation/streaming.py (module level). Goes"
+        " when the engine splits into input processing, step loop and output processing: the"
         " stream moves to the engine's output side."
     ),
     ("hf_paged.integrations.pipeline", "hf_paged.generation.pipelines"): (
         "install() wraps transformers.pipeline so backend='paged' calls hf_paged.pipeline (a lazy"
-        " import at call time). Removed when the wrapper moves next to generation/pipelines.py,"
-        " a later step of issue 25 (integrations/ keeps the model glue)."
+        " import at call time). Goes when the wrapper moves next to generation/pipelines.py"
+        " (integrations/ keeps the model glue)."
     ),
 }
 
