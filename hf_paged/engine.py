@@ -439,8 +439,7 @@ class Engine:
             for group in [g for g in self._beam_groups if g.ready()]:
                 group.step_or_fail()
             self._beam_groups = {g for g in self._beam_groups if not g.done}
-        self._release_rows()
-        now = time.perf_counter()
+        now = time.perf_counter()  # rows of ended requests: released by step() once it returns
         outputs = []
         for r in advanced:
             if r.first_token_time is None:
@@ -510,22 +509,15 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         self._check_open()
-        requests: list[Request] = []
-        for prompt, p in zip(prompts, params):  # every prompt validated before any is queued
-            requests += self._make_requests(prompt, p, None, 0)
+        # every prompt validated before any is queued; a group is one prompt and its siblings
+        groups = [self._make_requests(prompt, p, None, 0) for prompt, p in zip(prompts, params)]
+        requests = [r for group in groups for r in group]
         stream = RequestStream(self, [r.request_id for r in requests])
-        self._submit(requests, partial(self._admit_all, requests), stream)
+        self._submit(requests, partial(self._admit_groups, groups), stream)
         return stream
 
-    def _admit_all(self, requests: list[Request]) -> None:
-        """Admit each prompt's request with its siblings (consecutive in `requests`)."""
-        group: list[Request] = []
-        for r in requests:
-            if r.sibling_index == 0 and group:
-                self._admit(group)
-                group = []
-            group.append(r)
-        if group:
+    def _admit_groups(self, groups: list[list[Request]]) -> None:
+        for group in groups:
             self._admit(group)
 
     # -- introspection -----------------------------------------------------------------------------
