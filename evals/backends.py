@@ -170,7 +170,7 @@ def run_paged(
             else 0,
             "async_scheduling": engine.config.async_scheduling,
             "fuse_projections": engine.config.fuse_projections,
-            "small_batch_forward": engine.runner.small_batch_status,
+            "small_batch_forward": engine.runner.forward.small_batch_status,
             "startup_s": startup_s,
         }
 

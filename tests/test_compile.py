@@ -38,7 +38,7 @@ def test_compiled_engine_matches_eager_and_compiles_once(tiny_model, scope):
     got = [o.output_token_ids for o in compiled.generate(prompts, params)]
     assert got == expected
     frames = torch._dynamo.utils.counters["frames"]
-    assert compiled.runner.compiled
+    assert compiled.runner.forward.compiled
     # compiled once (at the first forward), never again in the run
     assert frames["ok"] >= 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(frames)
@@ -54,7 +54,7 @@ def test_compile_scope_is_validated(tiny_model):
 
 
 def test_a_model_compile_cannot_handle_runs_eager_with_a_warning(tiny_model, monkeypatch):
-    import hf_paged.worker.model_runner as model_runner
+    import hf_paged.worker.model_forward as model_forward
 
     model = tiny_model("llama", num_hidden_layers=1)
     prompts = _prompts()
@@ -68,10 +68,10 @@ def test_a_model_compile_cannot_handle_runs_eager_with_a_warning(tiny_model, mon
 
         return forward, lambda: undone.append(True)
 
-    monkeypatch.setattr(model_runner, "compile_model", failing_compile)
+    monkeypatch.setattr(model_forward, "compile_model", failing_compile)
     eng = Engine(model, compile=True)
     with pytest.warns(RuntimeWarning, match="torch.compile failed"):
         got = [o.output_token_ids for o in eng.generate(prompts, params)]
     assert got == want
-    assert not eng.runner.compiled and undone == [True]
+    assert not eng.runner.forward.compiled and undone == [True]
     eng.check_invariants()

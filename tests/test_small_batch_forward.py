@@ -19,7 +19,7 @@ def _prompts(lengths, seed=0):
 
 def _counting(eng):
     """Count the forwards the small-batch path runs (and the rows it sees)."""
-    fast = eng.runner.small_batch
+    fast = eng.runner.forward.small_batch
     seen = []
 
     class Counting:
@@ -29,7 +29,7 @@ def _counting(eng):
             seen.append(ids.shape[0])
             return fast(ids, pos, keep)
 
-    eng.runner.small_batch = Counting()
+    eng.runner.forward.small_batch = Counting()
     return seen
 
 
@@ -50,7 +50,7 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monk
     prompts = _prompts([3, 30, 9])
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     plain = Engine(model, small_batch_rows=0, **ENGINE)
-    assert plain.runner.small_batch is None
+    assert plain.runner.forward.small_batch is None
     want = plain.generate(prompts, params)
     plain.shutdown()
     eng = Engine(model, small_batch_rows=8, **ENGINE)  # every row count the kernels take
@@ -84,7 +84,7 @@ def test_rotary_tables_or_per_step_rotary(tiny_model, rope, tables):
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     want = Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
     eng = Engine(model, small_batch_rows=8, **ENGINE)
-    assert (eng.runner.small_batch.cos_table is not None) == tables
+    assert (eng.runner.forward.small_batch.cos_table is not None) == tables
     seen = _counting(eng)
     got = eng.generate(prompts, params)
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
@@ -121,8 +121,8 @@ def test_unsupported_models_run_transformers_forward(tiny_model, arch, options):
     model = tiny_model(arch)
     opts = {**ENGINE, **options}
     eng = Engine(model, **opts)
-    assert eng.runner.small_batch is None
-    assert eng.runner.small_batch_status.startswith("off (")  # with the reason
+    assert eng.runner.forward.small_batch is None
+    assert eng.runner.forward.small_batch_status.startswith("off (")  # with the reason
     prompts, params = _prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0)
     got = [o.output_token_ids for o in eng.generate(prompts, params)]
     eng.shutdown()
@@ -136,15 +136,15 @@ def test_embedding_with_strided_rows_runs_transformers_forward(tiny_model):
     table = model.model.embed_tokens.weight
     model.model.embed_tokens.weight = torch.nn.Parameter(table.detach().t().contiguous().t())
     eng = Engine(model, **ENGINE)
-    assert eng.runner.small_batch is None
-    assert "embed_tokens.weight rows are not contiguous" in eng.runner.small_batch_status
+    assert eng.runner.forward.small_batch is None
+    assert "embed_tokens.weight rows are not contiguous" in eng.runner.forward.small_batch_status
     eng.shutdown()
 
 
 def test_default_runs_batch_1_and_2_fused(tiny_model):
     eng = Engine(tiny_model("llama"), **ENGINE)
-    assert eng.runner.small_batch.max_rows == 2
-    assert eng.runner.small_batch_status == "on (steps of <= 2 tokens)"  # CPU: no PDL
+    assert eng.runner.forward.small_batch.max_rows == 2
+    assert eng.runner.forward.small_batch_status == "on (steps of <= 2 tokens)"  # CPU: no PDL
     seen = _counting(eng)
     eng.generate(_prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0))
     assert set(seen) == {2}  # the two decodes; the 13-token prefill ran transformers' forward
@@ -163,7 +163,8 @@ def test_warm_up_compiles_every_row_count_it_will_run(tiny_model, monkeypatch, r
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     eng = Engine(tiny_model("llama", num_hidden_layers=1), small_batch_rows=rows, **ENGINE)
     seen = _counting(eng)
-    warm_up_kernels(eng.runner)  # what a CUDA engine runs at start-up
+    r = eng.runner  # what a CUDA engine runs at start-up:
+    warm_up_kernels(r.forward, r.kv_caches, r.backend, eng.config, r.device)
     assert set(seen) == warmed  # the kernels' power-of-2 row variants (3 rows: the 4-row one)
     eng.shutdown()
-    assert eng.runner.small_batch is None
+    assert eng.runner.forward.small_batch is None

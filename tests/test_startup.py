@@ -25,12 +25,13 @@ def fake_cuda_memory(monkeypatch):
 def test_kv_cache_sized_from_profiling_forward(tiny_model, fake_cuda_memory):
     engine = Engine(tiny_model("llama"), max_num_batched_tokens=300, gpu_memory_utilization=0.5)
     per_block = engine.runner.spec.bytes_per_block
-    blocks = _profile_cuda_num_blocks(engine.runner, per_block)
+    r = engine.runner
+    blocks = _profile_cuda_num_blocks(engine.config, r.spec, r.device, r.forward, r.backend)
     # 50% of 1000 MiB, less the forward's peak (100) and non-torch memory (100 - 60 = 40)
     assert blocks == (500 * MiB - 100 * MiB - 40 * MiB) // per_block
     engine.config.gpu_memory_utilization = 0.1
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        _profile_cuda_num_blocks(engine.runner, per_block)
+        _profile_cuda_num_blocks(engine.config, r.spec, r.device, r.forward, r.backend)
 
 
 def _record_attention(engine, monkeypatch, what) -> list:
@@ -56,7 +57,7 @@ def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     engine = Engine(tiny_model("llama", num_hidden_layers=1), attention_backend="triton")
-    assert engine.runner.small_batch is not None  # its decodes take decode_attention
+    assert engine.runner.forward.small_batch is not None  # its decodes take decode_attention
     seen = _record_attention(
         engine, monkeypatch, lambda m: (m.max_query_len, m.max_seq_len, _shortest_query(m))
     )
@@ -70,7 +71,13 @@ def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
         ),
     )
     before = [c.clone() for pair in engine.runner.kv_caches for c in pair]
-    warm_up_kernels(engine.runner)
+    warm_up_kernels(
+        engine.runner.forward,
+        engine.runner.kv_caches,
+        engine.runner.backend,
+        engine.config,
+        engine.runner.device,
+    )
     # prefill tiles and decode tiles; short contexts and the longest the engine allows (split-KV)
     assert {q for q, _, _ in seen} == {1, 64}
     assert min(s for _, s, _ in seen) < 16

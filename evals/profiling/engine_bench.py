@@ -65,7 +65,8 @@ def main() -> None:
         f"{eng.runner.warm_up_seconds:.1f}s, graph capture "
         f"{eng.runner.graph_capture_seconds:.1f}s{_buckets(eng)}), "
         f"{eng.kv.num_blocks} KV blocks, "
-        f"compiled {eng.runner.compiled}, small-batch forward {eng.runner.small_batch_status}",
+        f"compiled {eng.runner.forward.compiled}, "
+        f"small-batch forward {eng.runner.forward.small_batch_status}",
         flush=True,
     )
     vocab = model.config.vocab_size

@@ -57,7 +57,7 @@ def measure(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()  # prefill with the real model
-    engine.runner._forward = lambda ids, pos, keep: torch.zeros(keep.shape[0], cfg.vocab_size)
+    engine.runner.forward = lambda ids, pos, keep: torch.zeros(keep.shape[0], cfg.vocab_size)
     for _ in range(5):
         engine.step()
     spent = dict.fromkeys(PHASES, 0.0)

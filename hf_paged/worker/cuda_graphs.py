@@ -148,7 +148,7 @@ class CudaGraphRunner:
         self.max_batch_size = min(cfg.max_num_seqs, cfg.max_graph_batch_size)
         # A compiled model specialises a batch of 1 (a second whole-model compile): pad it to 2,
         # unless the small-batch forward (no dynamo) runs batch 1.
-        smallest = 2 if runner.compiled and runner.small_batch is None else 1
+        smallest = 2 if runner.forward.compiled and runner.forward.small_batch is None else 1
         self.buckets = graph_buckets(max(self.max_batch_size, smallest), smallest)
         self.token_buckets = token_buckets(min(cfg.max_graph_tokens, cfg.max_num_batched_tokens))
         seqs = max(self.buckets[-1], self.max_num_seqs)
@@ -252,12 +252,12 @@ class CudaGraphRunner:
         ids = PendingTokens(v["input_ids"], v["pending"], v["rows"], self.runner.last_tokens)
         with forward_context(self._context(kind, size)):
             if kind == "decode":  # every token keeps its logits row: a static arange
-                logits = self.runner._forward(ids, v["positions"], self.decode_keep[:size])
+                logits = self.runner.forward(ids, v["positions"], self.decode_keep[:size])
                 if self.greedy_in_graph:
                     self.greedy[size] = self._greedy(logits, v, size)
                 return logits
             rows = self._kept_rows(size)
-            logits = self.runner._forward(ids, v["positions"], v["keep"])
+            logits = self.runner.forward(ids, v["positions"], v["keep"])
             if self.mixed_logits is None:  # first (largest) capture: the shared output buffer
                 self.mixed_logits = torch.empty(
                     (rows, logits.shape[-1]), dtype=logits.dtype, device=logits.device
@@ -273,7 +273,7 @@ class CudaGraphRunner:
         from hf_paged.kernels import argmax_rows
         from hf_paged.kernels.argmax import DecodeAdvance
 
-        sb = self.runner.small_batch
+        sb = self.runner.forward.small_batch
         pdl = sb is not None and sb.pdl and size <= sb.max_rows
         advance = None
         if self._advances(size):

@@ -8,9 +8,7 @@ that asked for prompt log-probs, at every prompt position).
 
 from __future__ import annotations
 
-import inspect
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +21,6 @@ from hf_paged.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from hf_paged.sample.sampler import Sampler
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
-from hf_paged.worker.compilation import compile_model
 from hf_paged.worker.forward_context import (
     AttentionMetadata,
     ForwardContext,
@@ -32,6 +29,7 @@ from hf_paged.worker.forward_context import (
 )
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
+from hf_paged.worker.model_forward import ModelForward
 from hf_paged.worker.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
 
 
@@ -76,48 +74,18 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        use_compile = bool(config.compile)
-        self._model_forward = model
-        self._undo_compile = None
-        self.compile_scope = config.compile_scope if use_compile else None
-        if use_compile:  # worker/compilation.py: whole forward or one graph for every layer
-            self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
-        self.compiled = use_compile
-        self._compile_ok = False
+        self.forward = ModelForward(model, config, self.backend.name)
         try:
-            self.small_batch = self._small_batch_forward(model, config)
             self._start(config)
         except Exception:  # e.g. no memory left for the KV cache: the model goes back as it came
-            if self._undo_compile is not None:
-                self._undo_compile()
+            self.forward.close()
             raise
-
-    def _small_batch_forward(self, model, config: EngineConfig):
-        """The fused forward for steps of <= small_batch_rows tokens, where it applies;
-        small_batch_status says which (reported by evals)."""
-        from hf_paged.worker.small_batch_forward import SmallBatchForward, unsupported_reason
-
-        if not config.small_batch_rows:
-            reason = "small_batch_rows=0"
-        elif self.backend.name != "triton":
-            reason = f"attention backend {self.backend.name!r}, not 'triton'"
-        else:
-            reason = unsupported_reason(model)
-        if reason is not None:
-            self.small_batch_status = f"off ({reason})"
-            return None
-        from hf_paged.kernels.fused_gemv import pdl_available
-
-        pdl = pdl_available(self.device)
-        self.small_batch_status = (
-            f"on (steps of <= {config.small_batch_rows} tokens{', PDL' if pdl else ''})"
-        )
-        return SmallBatchForward(model, config.small_batch_rows, pdl, config.max_model_len)
 
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""
-        self.num_blocks = determine_num_blocks(self)
+        self.num_blocks = determine_num_blocks(
+            config, self.spec, self.device, self.forward, self.backend
+        )
         self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         # Asynchronous scheduling: each row's last sampled token stays on the device for the next
@@ -133,7 +101,7 @@ class ModelRunner:
         self.warm_up_seconds = 0.0
         if self.device.type == "cuda" and self.backend.name == "triton":
             t0 = time.perf_counter()
-            warm_up_kernels(self)
+            warm_up_kernels(self.forward, self.kv_caches, self.backend, config, self.device)
             self.warm_up_seconds = time.perf_counter() - t0
         if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
             from hf_paged.worker.cuda_graphs import CudaGraphRunner
@@ -145,75 +113,10 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _forward(
-        self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor, keep: torch.Tensor
-    ):
-        if self.small_batch is not None and positions.shape[0] <= self.small_batch.max_rows:
-            return self.small_batch(input_ids, positions, keep)  # no dynamo: Triton launches only
-        if isinstance(input_ids, PendingTokens):
-            input_ids = input_ids.resolve()
-        if self.compiled and not self._compile_ok:  # the first compiled forward compiles
-            try:
-                out = self._forward_impl(input_ids, positions, keep)
-            except torch._dynamo.exc.TorchDynamoException as exc:
-                self._fall_back_to_eager(exc)
-                return self._forward_impl(input_ids, positions, keep)
-            self._compile_ok = True
-            return out
-        return self._forward_impl(input_ids, positions, keep)
-
-    def _fall_back_to_eager(self, exc: Exception) -> None:
-        """torch.compile could not compile this model: run it eagerly rather than not at all,
-        and say so (compile=False skips the attempt)."""
-        warnings.warn(
-            f"hf_paged: torch.compile failed for {type(self.model).__name__} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); running the model "
-            "without compile. Pass compile=False to skip the attempt.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        if self._undo_compile is not None:
-            self._undo_compile()
-            self._undo_compile = None
-        self._model_forward = self.model
-        self.compiled = False
-        self.compile_scope = None
-
-    def _forward_impl(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
-        # One calling convention for every forward (profiling, CUDA-graph capture, steps): the
-        # compiled frame guards on the kwargs, so a different set would compile the model again.
-        model = self._model_forward
-        if self.compiled:
-            # Dynamo specialises a size of 1 and would compile the whole model again for it
-            # (~35 s for 22 layers): a lone token runs eager (graphs pad batch 1 to 2, so only
-            # a mixed step of one 1-token prompt gets here) and one kept row is kept twice.
-            if input_ids.shape[0] == 1:
-                if self.compile_scope == "layers":  # the layers are compiled in place
-                    with torch.compiler.set_stance("force_eager"):
-                        return self._call_model(self.model, input_ids, positions, keep)
-                model = self.model
-            elif keep.shape[0] == 1:
-                return self._call_model(self._model_forward, input_ids, positions, keep.repeat(2))[
-                    :1
-                ]
-        return self._call_model(model, input_ids, positions, keep)
-
-    def _call_model(self, model, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor):
-        if self._logits_to_keep:
-            out = model(
-                input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
-            )
-            return out.logits[0]
-        out = model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
-        return out.logits[0, keep]
-
     def shutdown(self) -> None:
         self.graphs = None
-        self.small_batch = None  # it holds the model's modules (and, later, rotary tables)
         self.kv_caches = []
-        if self._undo_compile is not None:  # the model goes back to its owner as it came
-            self._undo_compile()
-            self._undo_compile = None
+        self.forward.close()  # the model goes back to its owner as it came
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -310,7 +213,7 @@ class ModelRunner:
         rows = to_device(step.row_of_token, dev)
         if step.pending.all():  # the usual decode step: every input is the last sampled token
             return self.last_tokens[rows]
-        # some of each: _forward resolves them (in the small-batch forward's embedding kernel)
+        # some of each: the forward resolves them (in the small-batch forward's embedding kernel)
         pending = to_device(step.pending, dev)
         return PendingTokens(to_device(step.input_ids, dev), pending, rows, self.last_tokens)
 
@@ -377,7 +280,7 @@ class ModelRunner:
             pos_t = to_device(step.positions, dev)
             keep_t = to_device(keep, dev)
             with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
-                logits = self._forward(ids_t, pos_t, keep_t)
+                logits = self.forward(ids_t, pos_t, keep_t)
 
         for r, first, count, offset in logprob_spans:
             rows = logits[offset : offset + count].float().log_softmax(-1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hf_paged.config import EngineConfig
 from hf_paged.worker.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 
@@ -39,46 +40,48 @@ class KVCacheSpec:
         ]
 
 
-def determine_num_blocks(runner) -> int:
-    """KV blocks: the configured number, a CPU budget, or what a CUDA profiling forward leaves."""
-    cfg = runner.config
+def determine_num_blocks(
+    cfg: EngineConfig, spec: KVCacheSpec, device: torch.device, forward, backend
+) -> int:
+    """KV blocks: the configured number, a CPU budget, or what a CUDA profiling forward leaves
+    (forward: the runner's ModelForward; backend: its attention backend)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    per_block = runner.spec.bytes_per_block
-    blocks_per_seq = -(-cfg.max_model_len // runner.block_size)
-    if runner.device.type != "cuda":
+    per_block = spec.bytes_per_block
+    blocks_per_seq = -(-cfg.max_model_len // spec.block_size)
+    if device.type != "cuda":
         # Enough for max_num_seqs full-length sequences, within cpu_kv_cache_bytes.
         return max(1, min(cfg.cpu_kv_cache_bytes // per_block, cfg.max_num_seqs * blocks_per_seq))
-    return _profile_cuda_num_blocks(runner, per_block)
+    return _profile_cuda_num_blocks(cfg, spec, device, forward, backend)
 
 
 @torch.inference_mode()
-def _profile_cuda_num_blocks(runner, per_block: int) -> int:
+def _profile_cuda_num_blocks(cfg: EngineConfig, spec: KVCacheSpec, device, forward, backend) -> int:
     """Run one forward at the full token budget with a scratch cache, measure peak memory, and
     give the KV cache what remains of gpu_memory_utilization * total memory."""
-    cfg = runner.config
-    torch.cuda.synchronize(runner.device)
+    per_block = spec.bytes_per_block
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(runner.device)
+    torch.cuda.reset_peak_memory_stats(device)
     num_tokens = cfg.max_num_batched_tokens
     seq_len = min(num_tokens, cfg.max_model_len)
     lens = [seq_len] * (num_tokens // seq_len) + (
         [num_tokens % seq_len] if num_tokens % seq_len else []
     )
-    scratch_blocks = sum(-(-n // runner.block_size) for n in lens)
-    caches = runner.spec.allocate(scratch_blocks, runner.device)
-    meta, positions = _profile_metadata(lens, runner.block_size, runner.device)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
-    keep = torch.arange(max(0, num_tokens - cfg.max_num_seqs), num_tokens, device=runner.device)
-    with torch.inference_mode(), forward_context(ForwardContext(meta, caches, runner.backend)):
-        logits = runner._forward(ids, positions, keep)
+    scratch_blocks = sum(-(-n // spec.block_size) for n in lens)
+    caches = spec.allocate(scratch_blocks, device)
+    meta, positions = _profile_metadata(lens, spec.block_size, device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    keep = torch.arange(max(0, num_tokens - cfg.max_num_seqs), num_tokens, device=device)
+    with torch.inference_mode(), forward_context(ForwardContext(meta, caches, backend)):
+        logits = forward(ids, positions, keep)
         logits.float().softmax(-1)  # the sampler's working set
-    torch.cuda.synchronize(runner.device)
-    peak = torch.cuda.max_memory_allocated(runner.device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
     del caches, logits
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(runner.device)
-    non_torch = (total - free) - torch.cuda.memory_reserved(runner.device)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)
     kv_bytes = int(total * cfg.gpu_memory_utilization) - peak - non_torch
     num_blocks = kv_bytes // per_block
     if num_blocks < 1:
@@ -91,13 +94,13 @@ def _profile_cuda_num_blocks(runner, per_block: int) -> int:
 
 
 @torch.inference_mode()
-def warm_up_kernels(runner) -> None:
+def warm_up_kernels(forward, kv_caches, backend, cfg: EngineConfig, device: torch.device) -> None:
     """Run the attention-kernel variants a run can meet (mixed prefill + decode, decode with
     and without the flash-decoding split, short and long contexts) once now. Triton compiles
     a variant on first use, ~1 s each for the paged kernel on the H200: without this, the
     first mixed steps of a run pay for it. Nothing is written (slots -1); logits are unused."""
-    bs = runner.block_size
-    long = min(runner.config.max_model_len, 4096)
+    bs = cfg.block_size
+    long = min(cfg.max_model_len, 4096)
     shapes = (
         ([64], [64]),  # prefill only (no short query: its own variant; a lone first prompt)
         ([64, 1], [64, 8]),  # mixed: a prefill tile and a decode tile, short context
@@ -106,8 +109,8 @@ def warm_up_kernels(runner) -> None:
         ([1], [long]),  # decode, split KV
         ([1, 1], [long, 9]),
     )
-    if runner.small_batch is not None:  # its kernels compile per power-of-2 row count
-        most = runner.small_batch.max_rows
+    if forward.small_batch is not None:  # its kernels compile per power-of-2 row count
+        most = forward.small_batch.max_rows
         for rows in (4, 8):  # 1 and 2 rows: the decode shapes above
             if most > rows // 2:
                 shapes += (([1] * min(rows, most), [8] * min(rows, most)),)
@@ -117,16 +120,14 @@ def warm_up_kernels(runner) -> None:
         shapes += (([1] * over, [long] * over), ([1] * over, [8] * over))
     for q_lens, seq_lens in shapes:
         width = -(-max(seq_lens) // bs)
-        table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=runner.device)
+        table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=device)
         meta = AttentionMetadata.from_lengths(q_lens, seq_lens, table)
-        pos = torch.cat(
-            [torch.arange(s - q, s, device=runner.device) for q, s in zip(q_lens, seq_lens)]
-        )
+        pos = torch.cat([torch.arange(s - q, s, device=device) for q, s in zip(q_lens, seq_lens)])
         ids = torch.zeros_like(pos)
-        keep = torch.tensor(np.cumsum(q_lens) - 1, device=runner.device)
-        with forward_context(ForwardContext(meta, runner.kv_caches, runner.backend)):
-            runner._forward(ids, pos, keep)
-    torch.cuda.synchronize(runner.device)
+        keep = torch.tensor(np.cumsum(q_lens) - 1, device=device)
+        with forward_context(ForwardContext(meta, kv_caches, backend)):
+            forward(ids, pos, keep)
+    torch.cuda.synchronize(device)
 
 
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
