@@ -10,10 +10,10 @@ before the wait: the block ids and the K/V rows of each program's first tile of 
 registers by the time the previous kernel finishes. After the wait it loads the query, re-reads
 the one row of the tile the previous kernel wrote (the new token's position), and computes.
 
-Same arithmetic as kernels/paged_attention.py's decode tiles (one token x the GQA group of a KV
-head per program, flash-decoding splits combined by its reduce kernel), for batches where every
-sequence has exactly one query token: token i belongs to sequence i. Other batches use
-paged_attention.
+Same arithmetic as paged_attention's decode tiles (one token x the GQA group of a KV head per
+program; the online-softmax step of kernels/attention_common.py, flash-decoding splits combined
+by kernels/split_kv_reduce.py), for batches where every sequence has exactly one query token:
+token i belongs to sequence i. Other batches use paged_attention.
 
 Why the early reads are safe: a decode step writes only the new token's slot of each layer's
 cache, and the step's first kernel (the embedding) is an ordinary launch, which starts only
@@ -29,18 +29,11 @@ import triton.language as tl
 
 from hf_paged.worker.forward_context import AttentionMetadata
 
+from .attention_common import _accumulate_pv, _softmax_step
+from .attention_config import AttentionConfig, choose_decode_num_kv_splits, decode_config
 from .fused_gemv import gdc_launch_dependents, gdc_wait
-from .paged_attention import (
-    AttentionConfig,
-    _accumulate_pv,
-    _check_attention_args,
-    _reduce_splits,
-    _shared_launch_args,
-    _softmax_step,
-    _split_workspace,
-    choose_decode_num_kv_splits,
-    decode_config,
-)
+from .paged_attention import _check_attention_args, _shared_launch_args
+from .split_kv_reduce import _reduce_splits, _split_workspace
 
 
 @triton.jit

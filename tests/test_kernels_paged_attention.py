@@ -20,6 +20,8 @@ from hf_paged.worker.forward_context import AttentionMetadata  # noqa: E402
 # which shadows the submodule as an attribute.
 kv_write_mod = importlib.import_module("hf_paged.kernels.kv_write")
 pa_mod = importlib.import_module("hf_paged.kernels.paged_attention")
+config_mod = importlib.import_module("hf_paged.kernels.attention_config")
+kernel_mod = importlib.import_module("hf_paged.kernels.paged_attention_kernel")
 
 # tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported when there is no GPU.
 if not ON_GPU and not kv_write_mod.interpreting():
@@ -31,7 +33,7 @@ if not ON_GPU and not kv_write_mod.interpreting():
 
 paged_attention = pa_mod.paged_attention
 paged_attention_ref = pa_mod.paged_attention_ref
-AttentionConfig = pa_mod.AttentionConfig
+AttentionConfig = config_mod.AttentionConfig
 decode_attention = importlib.import_module("hf_paged.kernels.decode_attention").decode_attention
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -141,7 +143,7 @@ def test_runs_on_cpu_in_interpreter():
     if ON_GPU:
         pytest.skip("CUDA machine: kernels run compiled")
     # every kernel module shares this switch (kv_write.interpreting): one check covers them
-    assert type(pa_mod._paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert type(kernel_mod._paged_attention_kernel).__name__ == "InterpretedFunction"
     assert kv_write_mod.interpreting()
     query, key_cache, value_cache, meta = make_batch([1], [5], 2, 1, 64)
     assert query.device.type == "cpu"
@@ -460,7 +462,7 @@ def test_decode_attention_default_split_is_one_key_tile(monkeypatch, kv_heads, m
     # keys, 128 at head_dim 64), at most 32, unless that grid takes more than half the SMs
     # (8 KV heads x 16 on 132 SMs): then paged_attention's own count, >= 512 keys a split
     mod = importlib.import_module("hf_paged.kernels.decode_attention")  # the module
-    monkeypatch.setattr(pa_mod, "_num_sms", lambda device: 132)  # an H200
+    monkeypatch.setattr(config_mod, "_num_sms", lambda device: 132)  # an H200
     seen = []
     real = mod._reduce_splits
     monkeypatch.setattr(mod, "_reduce_splits", lambda *a: seen.append(a[4]) or real(*a))

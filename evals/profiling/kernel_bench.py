@@ -12,7 +12,7 @@ Prints markdown tables and (with --out) writes the numbers as JSON.
 - Prefill: 1k-16k new tokens (one sequence, and a few), TFLOP/s against torch SDPA's flash
   backend on contiguous tensors.
 - --sweep: tile-shape and split-count sweeps used to pick the defaults in
-  kernels/paged_attention.py (select_config / choose_num_kv_splits).
+  kernels/attention_config.py (select_config / choose_num_kv_splits).
 
 Decode and write_kv are timed as CUDA-graph replays (how the engine runs decode; keeps Python
 launch overhead out of kernel-vs-kernel ratios), L2 flushed before each; prefill and mixed
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 from bench_setup import PEAK_BW, PEAK_FLOPS, bench_graph
 from hf_paged.kernels import paged_attention, write_kv
-from hf_paged.kernels.paged_attention import AttentionConfig, choose_num_kv_splits
+from hf_paged.kernels.attention_config import AttentionConfig, choose_num_kv_splits
 from triton.testing import do_bench
 
 from hf_paged.worker.forward_context import AttentionMetadata

@@ -1,0 +1,72 @@
+"""The online-softmax arithmetic of one key tile, shared by both paged-attention kernels.
+
+paged_attention_kernel.py's general kernel and decode_attention.py's early-read decode kernel
+both attend a tile of keys with these helpers, so the two compute the same scores, the same
+exp2 online-softmax update and the same P.V in the same order (the decode tests compare them at
+a quarter of the tolerance they allow against the reference):
+- _softmax_step: the scores of one K tile, softcapped (_tanh) and masked, and the update of the
+  running max, denominator and rescaled accumulator;
+- _accumulate_pv: P.V into the accumulator, with P in the cache dtype the tensor cores take.
+Callers import each helper by name at module level: Triton resolves a @triton.jit callee through
+the calling function's module globals.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2: libdevice's tanh is not available under TRITON_INTERPRET. Saturates
+    # cleanly to +-1 (exp2 -> inf or 0), absolute error ~1e-7 near 0.
+    e = tl.exp2(x * 2.8853900817779268)  # exp(2x)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _softmax_step(
+    acc,  # f32 [BLOCK_M, HEAD_DIM_PAD], unnormalised output
+    l_i,  # f32 [BLOCK_M], running softmax denominator
+    m_i,  # f32 [BLOCK_M], running max (log2 units)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    k,  # [BLOCK_N, HEAD_DIM_PAD]
+    keep,  # bool, broadcastable to [BLOCK_M, BLOCK_N]: the keys each row sees (MASKED)
+    scale,
+    softcap,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """Scores of one K tile and the online-softmax update: (P, acc rescaled, l, m)."""
+    if DOT_UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # f32 [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap))
+        s = s * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # A row can have seen no visible key yet (window edge): keep exp2 away from -inf - -inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, acc * alpha[:, None], l_i, m_new
+
+
+@triton.jit
+def _accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    p = p.to(v.dtype)  # the tensor cores take P in the cache dtype (bf16/fp16)
+    if DOT_UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    return tl.dot(p, v, acc, input_precision=DOT_PRECISION)
