@@ -162,8 +162,8 @@ def run_paged(
         peak, kind = _peak_memory(device)
         # read before shutdown, which drops the graphs and undoes compile and fusion
         engine_info = {
-            "compile": engine.runner.compiled,
-            "compile_scope": engine.runner.compile_scope,
+            "compile": engine.runner.forward.compiled,
+            "compile_scope": engine.runner.forward.compile_scope,
             "cuda_graphs": engine.runner.graphs is not None,
             "mixed_step_graphs": len(engine.runner.graphs.token_buckets)
             if engine.runner.graphs is not None

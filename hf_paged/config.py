@@ -139,3 +139,25 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(**options)
+
+    def resolve_for(self, model) -> None:
+        """Fill the options left to the model and device (max_model_len from the model config;
+        the token budget and compile from the device) and refuse what the model cannot do."""
+        model_max = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if self.max_model_len is None:
+            if model_max is None:
+                raise ValueError("max_model_len: the model config has no max_position_embeddings")
+            self.max_model_len = model_max
+        elif model_max is not None and self.max_model_len > model_max:
+            # positions past the trained range give wrong output, silently (as vLLM, refused)
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_max})"
+            )
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if on_cuda else 2048
+        if self.compile is None:  # CPU: inductor's C++ compile costs more than it saves
+            self.compile = on_cuda
+        if not self.enable_chunked_prefill:
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)

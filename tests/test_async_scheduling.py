@@ -150,7 +150,7 @@ def test_abort_while_a_step_is_in_flight(tiny_model):
     for _ in range(6):
         for out in eng.step():
             tokens[out.request_id] += out.new_token_ids
-    assert eng._inflight is not None  # a step is launched and unread
+    assert eng.core._inflight is not None  # a step is launched and unread
     eng.abort(ids[1])
     while eng.has_unfinished_requests():
         for out in eng.step():

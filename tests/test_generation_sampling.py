@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 import hf_paged
 from hf_paged import Engine, SamplingParams
-from hf_paged.core.request import Request
+from hf_paged.sample.metadata import SamplingRow
 from hf_paged.sample.sampler import Sampler
 
 VOCAB = 24
@@ -39,8 +39,8 @@ WARPERS = {
 }
 
 
-def _req(params: SamplingParams) -> Request:
-    return Request("r", [3], params, frozenset(), 10)
+def _req(params: SamplingParams, req_id: str = "r") -> SamplingRow:
+    return SamplingRow(req_id, params, None, [3], 1)
 
 
 @pytest.mark.parametrize("name", list(WARPERS))
@@ -56,7 +56,7 @@ def test_draws_follow_transformers_warpers(name):
     n = 20_000
     sampler = Sampler(torch.device("cpu"))
     reqs = [_req(params) for _ in range(n)]
-    draws = sampler(logits.expand(n, -1).contiguous(), reqs)
+    draws = sampler(logits.expand(n, -1).contiguous(), reqs).tokens
     counts = torch.bincount(draws, minlength=VOCAB).float()
     assert counts[expected == 0].sum() == 0  # never a filtered token
     keep = expected > 0
@@ -64,9 +64,9 @@ def test_draws_follow_transformers_warpers(name):
     dof = max(int(keep.sum()) - 1, 1)
     assert chi2 < dof + 5 * (2 * dof) ** 0.5  # ~5 sigma; a wrong distribution gives hundreds
     # processed scores (what output_scores returns) are transformers' own
-    kept = Request("k", [3], SamplingParams(**kwargs, output_scores=True), frozenset(), 10)
-    sampler(logits.clone(), [kept])
-    torch.testing.assert_close(kept.output_scores[0], expected_scores[0])
+    kept = _req(SamplingParams(**kwargs, output_scores=True), "k")
+    out = sampler(logits.clone(), [kept])
+    torch.testing.assert_close(out.scores["k"], expected_scores[0])
 
 
 def test_mixed_rows_get_their_own_warpers():
@@ -78,11 +78,8 @@ def test_mixed_rows_get_their_own_warpers():
         dict(min_p=0.3, temperature=0.5),
         dict(typical_p=0.5),
     ]
-    reqs = [
-        Request(str(i), [3], SamplingParams(**kw, output_scores=True), frozenset(), 10)
-        for i, kw in enumerate(rows)
-    ]
-    Sampler(torch.device("cpu"))(logits.clone(), reqs)
+    reqs = [_req(SamplingParams(**kw, output_scores=True), str(i)) for i, kw in enumerate(rows)]
+    out = Sampler(torch.device("cpu"))(logits.clone(), reqs)
     refs = [
         logits[0],
         TopKLogitsWarper(3)(None, logits[1:2].clone())[0],
@@ -90,7 +87,7 @@ def test_mixed_rows_get_their_own_warpers():
         TypicalLogitsWarper(0.5)(None, logits[3:4].clone())[0],
     ]
     for r, ref in zip(reqs, refs):
-        torch.testing.assert_close(r.output_scores[0], ref)
+        torch.testing.assert_close(out.scores[r.req_id], ref)
 
 
 def test_seeded_requests_reproduce_across_batches(tiny_model):

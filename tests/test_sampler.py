@@ -10,8 +10,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hf_paged.core.request import Request
-from hf_paged.sample.sampler import Sampler, apply_top_k, apply_top_p
+from hf_paged.sample.logits_processing import apply_top_k, apply_top_p
+from hf_paged.sample.metadata import SamplingRow
+from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -41,8 +42,8 @@ def test_per_row_parameters_mix_in_one_batch():
     assert torch.equal(ours[2:], ref2)
 
 
-def _req(params: SamplingParams) -> Request:
-    return Request("r", [3], params, frozenset(), 10)
+def _req(params: SamplingParams) -> SamplingRow:
+    return SamplingRow("r", params, None, [3], 1)
 
 
 def test_draws_follow_the_warped_distribution():
@@ -56,7 +57,7 @@ def test_draws_follow_the_warped_distribution():
     expected = warped.softmax(-1)[0]
     n = 20_000
     sampler = Sampler(torch.device("cpu"))
-    draws = sampler(logits.expand(n, -1).contiguous(), [_req(params)] * n)
+    draws = sampler(logits.expand(n, -1).contiguous(), [_req(params)] * n).tokens
     counts = torch.bincount(draws, minlength=12).float()
     assert counts[expected == 0].sum() == 0  # never a filtered token
     keep = expected > 0
@@ -72,5 +73,5 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
         _req(SamplingParams()),
         _req(SamplingParams(temperature=0)),
     ]
-    out = Sampler(torch.device("cpu"))(logits, reqs)
+    out = Sampler(torch.device("cpu"))(logits, reqs).tokens
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()

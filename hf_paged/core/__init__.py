@@ -1,4 +1,2 @@
-"""Request state and scheduling: requests, the scheduler, the KV cache manager and block pool.
-
-Stop checks (stop_checker) still run in the scheduler; a later step moves them to output processing.
-"""
+"""Request state and scheduling: requests, the scheduler, the KV cache manager and block pool,
+and the plain data that crosses to the runner and back (outputs.py)."""

@@ -66,14 +66,12 @@ class Request:
     finish_time: float | None = None
     # hashes of this request's full blocks, computed incrementally (prefix caching)
     block_hashes: list = field(default_factory=list)
-    # -- generation options (hf_paged.sample.logits_processing, hf_paged.core.stop_checker) --
+    # -- sampling inputs, resolved at add_request and handed to the runner (NewRequestData) --
     banned_token_ids: list[int] = field(default_factory=list)  # suppress_tokens + 1-token bad words
     bad_word_prefixes: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
-    ban_mask: torch.Tensor | None = None  # banned_token_ids as a bool [V] row, built on first use
-    penalty_slot: int = -1  # row in the sampler's token-count pool (penalties); -1 = none yet
-    penalty_num_counted: int = 0  # output tokens already added to that row
-    ngram_index: dict | None = None  # (n-1)-gram -> tokens that followed it (no_repeat_ngram)
-    ngram_num_indexed: int = 0
+    in_runner: bool = False  # the runner holds a row for it (the scheduler's bookkeeping)
+    # -- the engine's output side (engine/output_processor.py): stop checks and what the
+    # request asked to keep, filled from the runner's outputs --
     stop_checkers: list | None = None  # stop-string and user stopping criteria, built at add
     output_scores: list[torch.Tensor] | None = None  # processed scores row per new token
     output_logits: list[torch.Tensor] | None = None  # raw logits row per new token
@@ -84,7 +82,6 @@ class Request:
     sibling_index: int = 0
     parent_request_id: str | None = None
     beam: object | None = None  # hf_paged.generation.beam_search group this request is a beam of
-    beam_logits: torch.Tensor | None = None  # its last logits row, waiting for the group's step
     error: BaseException | None = None  # FINISHED_ERROR: what the user's code raised
 
     def __post_init__(self) -> None:

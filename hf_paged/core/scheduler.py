@@ -13,58 +13,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
+from hf_paged.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from hf_paged.core.request import Request, RequestStatus
-from hf_paged.core.stop_checker import should_stop
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The step's batch: requests in batch order and how many new tokens each computes."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """sampled_token_ids[i] belongs to SchedulerOutput.requests[i]; -1 where nothing was sampled
-    (a prefill chunk that does not reach the end of the request's tokens)."""
-
-    sampled_token_ids: list[int]
-    # n > 1: parent request id -> first tokens of its pending siblings (same logits row)
-    fork_token_ids: dict[str, list[int]] | None = None
-    # request id -> what its own user code (a logits processor) raised; its token is void
-    failed: dict[str, BaseException] | None = None
-
-    @classmethod
-    def from_rows(
-        cls,
-        num_seqs: int,
-        sample_rows: list[int],
-        tokens: list[int],
-        fork_token_ids=None,
-        failed=None,
-    ) -> ModelRunnerOutput:
-        """tokens[j] was sampled by request sample_rows[j]; the others sampled nothing."""
-        if len(sample_rows) == num_seqs:  # a decode step: every request sampled, in order
-            sampled = list(tokens)
-        else:
-            sampled = [-1] * num_seqs
-            for i, t in zip(sample_rows, tokens):
-                sampled[i] = t
-        return cls(sampled_token_ids=sampled, fork_token_ids=fork_token_ids, failed=failed)
 
 
 class RequestTable(dict):
@@ -149,7 +102,14 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, siblings: list[Request] | None = None) -> None:
+        """Queue a request. siblings (n > 1 samples, or beams): known to the scheduler and
+        queued nowhere; they start when the request's prompt is computed (their seats are
+        reserved at its admission)."""
+        if siblings:
+            request.pending_siblings = list(siblings)
+            for sibling in siblings:
+                self.requests[sibling.request_id] = sibling
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -184,7 +144,7 @@ class Scheduler:
             self.requests.pop(r.request_id, None)
             r.status = status
             r.pending_siblings = None
-            self.released_req_ids.append(r.request_id)
+            self._release(r)
         return ended
 
     def take_released_req_ids(self) -> list[str]:
@@ -224,8 +184,7 @@ class Scheduler:
                     i -= 1
             else:
                 scheduled_index[request.request_id] = len(out.requests)
-                out.requests.append(request)
-                out.num_scheduled_tokens.append(num_new)
+                self._add_to_batch(out, request, num_new)
                 budget -= num_new
                 i += 1
 
@@ -259,10 +218,41 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 reserved += seats - 1
-                out.requests.append(request)
-                out.num_scheduled_tokens.append(num_new)
+                self._add_to_batch(out, request, num_new)
                 budget -= num_new
+        self._finish_batch(out)
         return out
+
+    def _add_to_batch(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        batch = out.batch
+        out.requests.append(request)
+        batch.req_ids.append(request.request_id)
+        batch.num_scheduled_tokens.append(num_new)
+        batch.num_computed_tokens.append(request.num_computed_tokens)
+        batch.num_tokens.append(request.num_tokens)
+        batch.block_ids.append(self.kv.get_block_ids(request.request_id))
+
+    def _finish_batch(self, out: SchedulerOutput) -> None:
+        """What the runner must do before the step: drop requests that left the running set or
+        whose blocks or history changed other than by appending (a fork, a copy-on-write, a beam
+        rewrite), copy the copied-on-write blocks, and take the requests it does not hold."""
+        batch = out.batch
+        copies, changed = self.kv.take_block_changes()
+        batch.block_copies = copies
+        for request_id in changed:
+            request = self.requests.get(request_id)
+            if request is not None and request.in_runner:
+                self._release(request)
+        batch.released_req_ids = self.take_released_req_ids()
+        for request in out.requests:
+            if not request.in_runner:
+                request.in_runner = True
+                batch.new_requests.append(new_request_data(request))
+
+    def _release(self, request: Request) -> None:
+        """The runner drops what it holds for the request (its row, its sampling state)."""
+        request.in_runner = False
+        self.released_req_ids.append(request.request_id)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -273,13 +263,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
         out.preempted.append(request)
-        self.released_req_ids.append(request.request_id)
+        self._release(request)
 
     @staticmethod
     def _unschedule(request: Request, out: SchedulerOutput, index: dict[str, int]) -> int:
         pos = index.pop(request.request_id)
-        num = out.num_scheduled_tokens[pos]
-        del out.requests[pos], out.num_scheduled_tokens[pos]
+        b = out.batch
+        num = b.num_scheduled_tokens[pos]
+        del out.requests[pos], b.req_ids[pos], b.num_scheduled_tokens[pos]
+        del b.num_computed_tokens[pos], b.num_tokens[pos], b.block_ids[pos]
         for rid, p in index.items():
             if p > pos:
                 index[rid] = p - 1
@@ -288,18 +280,40 @@ class Scheduler:
     def _fork_siblings(self, parent: Request, fork_tokens: dict | None) -> list[Request]:
         """The parent's prompt is computed and it sampled its first token: its siblings take its
         blocks by reference and their own first tokens, sampled from the same logits row."""
-        siblings, parent.pending_siblings = parent.pending_siblings, None
-        tokens = (fork_tokens or {}).get(parent.request_id)
-        if tokens is None or len(tokens) != len(siblings):
+        fork_tokens = fork_tokens or {}
+        tokens = [fork_tokens.get(s.request_id) for s in parent.pending_siblings]
+        if None in tokens:
             raise RuntimeError(f"no first tokens for the siblings of {parent.request_id}")
+        siblings = self.start_siblings(parent)
         for sibling, token in zip(siblings, tokens):
+            sibling.all_token_ids.append(token)
+        return siblings
+
+    # -- beams and siblings: the narrow interface beam search uses ---------------------------------
+
+    def start_siblings(self, parent: Request) -> list[Request]:
+        """The parent's pending siblings start running as copies of it: its blocks by reference
+        (copy-on-write of a shared partial block), its progress."""
+        siblings, parent.pending_siblings = parent.pending_siblings or [], None
+        for sibling in siblings:
             self.kv.fork(parent, sibling)
             sibling.num_computed_tokens = parent.num_computed_tokens
             sibling.num_cached_tokens = parent.num_cached_tokens
             sibling.status = RequestStatus.RUNNING
-            sibling.all_token_ids.append(token)
             self.running.append(sibling)
         return siblings
+
+    def rewrite_beams(self, beams: list[Request], sources: list[int], tokens: list[int]) -> None:
+        """A beam step: beam j continues beam sources[j] plus tokens[j]. Block references move
+        (no KV is copied: full blocks stay shared, a shared partial block is copied on write);
+        the runner rebuilds the beams' rows at their next step (their block tables and token
+        histories changed other than by appending)."""
+        old_tokens = [list(b.all_token_ids) for b in beams]
+        old_computed = [b.num_computed_tokens for b in beams]
+        self.kv.reassign(beams, sources)
+        for b, src, tok in zip(beams, sources, tokens):
+            b.all_token_ids = old_tokens[src] + [tok]
+            b.num_computed_tokens = old_computed[src]
 
     def on_launched(self, out: SchedulerOutput, sample_rows: list[int]) -> None:
         """Asynchronous scheduling: the step is on the GPU, its tokens count as computed, and
@@ -315,10 +329,10 @@ class Scheduler:
         self, out: SchedulerOutput, runner_output: ModelRunnerOutput, launched: bool = False
     ) -> tuple[list[Request], list[Request]]:
         """Advance progress (unless on_launched already did), append sampled tokens, end requests
-        that stop or whose user code raised. Returns (requests that got a token, requests that
-        ended). An exception in one request's user code (runner_output.failed: a logits
-        processor; here: a stopping criterion) ends that request with FINISHED_ERROR and the
-        exception on it; the other requests of the step go on as usual.
+        that stop (an end-of-sequence or stop id, their length) or whose user code raised.
+        Returns (requests that got a token, requests that ended). An exception in one request's
+        user code (runner_output.failed: a logits processor) ends that request with
+        FINISHED_ERROR and the exception on it; the other requests of the step go on as usual.
         With asynchronous scheduling, a request may have finished or been preempted since the
         step was launched: a finished one drops its token (computed past its end), a preempted
         one keeps it."""
@@ -354,21 +368,32 @@ class Scheduler:
 
     @staticmethod
     def _check_stop(request: Request, ended: dict[RequestStatus, list[Request]]) -> None:
-        """File the request under the finished status its last token gives it, if any. A stop
-        string or user criterion runs the user's code: if it raises, this request fails alone
-        (FINISHED_ERROR, the exception on it)."""
+        """File the request under the finished status its last token gives it, if any: an
+        end-of-sequence or stop id, or its length limit. (Stop strings and user stopping
+        criteria run in the engine's output processor, which ends requests through
+        end_requests.)"""
         if request.all_token_ids[-1] in request.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif len(request.all_token_ids) >= request.max_total_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        elif request.stop_checkers is None:
-            return
         else:
-            try:
-                if not should_stop(request):
-                    return
-                status = RequestStatus.FINISHED_STOPPED  # a stop string or user criterion
-            except Exception as exc:
-                request.error = exc
-                status = RequestStatus.FINISHED_ERROR
+            return
         ended.setdefault(status, []).append(request)
+
+
+def new_request_data(request: Request) -> NewRequestData:
+    """What the runner needs of a request it does not hold (see NewRequestData)."""
+    siblings = None
+    if request.pending_siblings and request.sampling_params.n > 1:
+        siblings = [new_request_data(s) for s in request.pending_siblings]
+    return NewRequestData(
+        req_id=request.request_id,
+        token_ids=list(request.all_token_ids),
+        num_prompt_tokens=len(request.prompt_token_ids),
+        sampling_params=request.sampling_params,
+        generator=request.generator,
+        stop_token_ids=request.eos_token_ids,
+        banned_token_ids=request.banned_token_ids,
+        bad_word_prefixes=request.bad_word_prefixes,
+        siblings=siblings,
+    )

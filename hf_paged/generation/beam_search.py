@@ -2,14 +2,18 @@
 
 A BeamGroup is one prompt's num_beams beams, each a Request in the engine. The prompt is
 computed once (the root request); the other beams wait as its pending siblings, so admission
-reserves their seats. The runner does not sample beam rows: it leaves each beam's logits row on
-the request (Sampler._defer_beams). When every beam of a group has its row, the group takes one
+reserves their seats. The runner does not sample beam rows: it returns each beam's logits row in
+its output (Sampler._defer_beams), and the engine hands them to the group (add_logits). When
+every beam of a group has its row, the group takes one
 transformers beam step: log-softmax, the request's logits processors, top-k continuations,
 stopping criteria, finished-hypothesis update and the early-stop heuristic, calling
 GenerationMixin's own step functions on a batch of one, so length_penalty and early_stopping
-mean exactly what they mean there. Then every beam j continues beam sources[j] plus a token:
-KVCacheManager.reassign moves block references (no KV is copied; full blocks stay shared and a
+mean exactly what they mean there. Then every beam j continues beam sources[j] plus a token
+(Scheduler.rewrite_beams moves block references: no KV is copied; full blocks stay shared and a
 shared partial last block is copied on write when a beam next writes to it).
+
+The group drives the engine through a narrow interface only: Engine.add_beam_group /
+end_beam_groups / wait_or_step, and the scheduler's start_siblings / rewrite_beams / end_requests.
 
 Groups advance independently (a group that is done frees its blocks at once); transformers runs
 a batch until every item is done, which does not change any item's result.
@@ -24,8 +28,11 @@ from transformers import StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from hf_paged.core.request import Request, RequestStatus
+from hf_paged.core.scheduler import new_request_data
 from hf_paged.generation.generate import repetition_penalty
+from hf_paged.sample.logits_processing import TokenCountPool, process_logits
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP, SamplingParams
+from hf_paged.worker.input_batch import sampling_row
 
 NEG = -1.0e9
 
@@ -67,6 +74,16 @@ class BeamGroup:
         self.logits: list[torch.Tensor] = []
         self.done = False
         self.error: BaseException | None = None  # what the group's user code raised
+        self._rows: dict[str, torch.Tensor] = {}  # beam id -> its logits row of the last step
+        self._pool = TokenCountPool(torch.device("cpu"))  # penalty counts of the beams
+
+    def add_logits(self, beam_logits: dict[str, torch.Tensor] | None) -> None:
+        """The engine hands over the beam rows of a step (of every group: take ours)."""
+        if beam_logits:
+            for b in self.beams:
+                row = beam_logits.get(b.request_id)
+                if row is not None:
+                    self._rows[b.request_id] = row
 
     def step_or_fail(self) -> None:
         """One beam step; if the request's own user code raises (a logits processor, a
@@ -76,27 +93,29 @@ class BeamGroup:
             self.step()
         except Exception as exc:
             self.error = exc
-            self._finish(RequestStatus.FINISHED_ERROR)
+            self.finish(RequestStatus.FINISHED_ERROR)
 
     def ready(self) -> bool:
         return not self.done and all(
-            b.beam_logits is not None and b.status == RequestStatus.RUNNING for b in self.beams
+            b.request_id in self._rows and b.status == RequestStatus.RUNNING for b in self.beams
         )
 
     def step(self) -> None:
         nb, model = self.num_beams, self.model
         first = len(self.beams) == 1
         beams = self.beams * nb if first else self.beams  # step 1: every beam is the prompt
-        logits = torch.stack([b.beam_logits for b in beams]).cpu()
-        for b in self.beams:
-            b.beam_logits = None
+        logits = torch.stack([self._rows[b.request_id] for b in beams]).cpu()
+        self._rows = {}
         log_probs = logits.log_softmax(dim=-1)
-        feats = [b.sampling_params.features for b in beams]
+        # the beams' sampling state, built afresh: a beam step rewrites their histories
+        for b in self.beams:
+            self._pool.release(b.request_id)
+        rows = [sampling_row(new_request_data(b)) for b in beams]
+        feats = [r.features for r in rows]
         any_feats = 0
         for f in feats:
             any_feats |= f
-        processor = self.engine.runner.sampler.processor(logits.shape[-1])
-        log_probs = processor(log_probs, beams, feats, any_feats & ~_WARP_BITS)
+        log_probs = process_logits(log_probs, rows, feats, any_feats & ~_WARP_BITS, self._pool)
         if self.keep_logits:
             self.logits.append(logits)
         if self.keep_scores:
@@ -159,7 +178,7 @@ class BeamGroup:
             self.heuristic_open, self.finished, hits, self.early_stopping
         )
         if not bool(more):
-            self._finish()
+            self.finish()
             return
         sources = self.running_indices[0, :, cur - plen].tolist()
         tokens = self.running[0, :, cur].tolist()
@@ -178,33 +197,17 @@ class BeamGroup:
         return hits
 
     def _continue(self, sources: list[int], tokens: list[int], first: bool) -> None:
-        engine = self.engine
-        sched, kv = engine.scheduler, engine.kv
+        scheduler = self.engine.scheduler
         if first:  # the other beams start: they share the root's prompt blocks
-            siblings, self.root.pending_siblings = self.root.pending_siblings or [], None
-            for s in siblings:
-                kv.fork(self.root, s)
-                s.num_computed_tokens = self.root.num_computed_tokens
-                s.num_cached_tokens = self.root.num_cached_tokens
-                s.status = RequestStatus.RUNNING
-                sched.running.append(s)
-            self.beams = [self.root, *siblings]
-        old_tokens = [list(b.all_token_ids) for b in self.beams]
-        old_computed = [b.num_computed_tokens for b in self.beams]
-        kv.reassign(self.beams, sources)
-        for b, src, tok in zip(self.beams, sources, tokens):
-            b.all_token_ids = old_tokens[src] + [tok]
-            b.num_computed_tokens = old_computed[src]
-            b.penalty_slot = -1  # its token history changed: recount penalties and n-grams
-            b.ngram_index = None
+            self.beams = [self.root, *scheduler.start_siblings(self.root)]
+        scheduler.rewrite_beams(self.beams, sources, tokens)
 
-    def _finish(self, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+    def finish(self, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         """End every beam (and beams not started yet) through the scheduler's one exit."""
         self.done = True
         for b in self.beams:
             b.error = self.error
         self.engine.scheduler.end_requests(self.beams, status)
-        self.engine._release_rows()
 
 
 # stages that do not apply to beam rows: warpers (no beam sampling), sampler records, forks
@@ -224,7 +227,6 @@ def beam_generate(engine, plan, batches) -> list:
     groups_per_batch: list[list[BeamGroup]] = []
     all_groups: list[BeamGroup] = []
     try:
-        engine._check_open()
         for b in batches:
             groups = []
             for prompt in b.prompts:
@@ -232,13 +234,9 @@ def beam_generate(engine, plan, batches) -> list:
             groups_per_batch.append(groups)
             all_groups.extend(groups)
         # any thread's step advances these groups; an error in a group's user code ends it
-        engine._wait_or_step(lambda: all(g.done for g in all_groups))
+        engine.wait_or_step(lambda: all(g.done for g in all_groups))
     except BaseException:
-        with engine._lock:
-            for g in all_groups:
-                if not g.done:
-                    g._finish(RequestStatus.FINISHED_ABORTED)
-            engine._beam_groups -= set(all_groups)
+        engine.end_beam_groups(all_groups)
         raise
     for g in all_groups:
         if g.error is not None:
@@ -260,7 +258,7 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
         logits_processors=plan.processors,
         beam_search=True,
     )
-    root = engine._make_requests(prompt, params, None, 0)[0]
+    root = engine.inputs.make_requests(prompt, params)[0]
     rid = root.request_id
     group = BeamGroup(engine, root, nb, plan, batch.max_new)
     root.beam = group
@@ -278,19 +276,8 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
         s.parent_request_id = rid
         s.beam = group
         siblings.append(s)
-    engine._submit([root, *siblings], lambda: _admit_group(engine, group, siblings))
+    engine.add_beam_group(group, root, siblings)
     return group
-
-
-def _admit_group(engine, group: BeamGroup, siblings: list[Request]) -> None:
-    """At the start of a step (under the step lock): the root queued, its beams known."""
-    if group.done:  # the call failed before its group was admitted
-        return
-    for s in siblings:
-        engine.scheduler.requests[s.request_id] = s
-    group.root.pending_siblings = siblings
-    engine._beam_groups.add(group)
-    engine.scheduler.add_request(group.root)
 
 
 def _outputs(gen, batch, groups: list[BeamGroup], nrs: int):

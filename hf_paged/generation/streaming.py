@@ -1,7 +1,4 @@
-"""Streaming: the Engine's iterator over many requests, and transformers streamers in generate.
-
-RequestStream drives Engine.step and yields each RequestOutput as soon as one of its requests
-gets a token, so many requests stream interleaved through continuous batching.
+"""transformers streamers in generate.
 
 LockstepStreamer feeds a transformers streamer (TextStreamer, TextIteratorStreamer, any
 BaseStreamer) exactly what transformers' generate feeds it: put(input_ids) once, then put() of
@@ -12,80 +9,9 @@ every unfinished row has its k-th token.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from hf_paged.core.request import RequestOutput
-
-
-class RequestStream:
-    """Iterator of RequestOutput for a set of queued requests (see Engine.stream). Closing it, or
-    leaving its `with` block, before the end aborts the requests that have not finished.
-
-    Any thread's Engine.step() delivers this stream's outputs into its buffer (deliver). When the
-    buffer is empty, the iterating thread steps the engine itself, or waits while another
-    waiting thread does (Engine._wait_or_step): concurrent streams share the steps."""
-
-    def __init__(self, engine, request_ids: list[str]) -> None:
-        self.engine = engine
-        self.request_ids = list(request_ids)
-        self._remaining = set(request_ids)
-        self._buffer: deque[RequestOutput] = deque()
-
-    def deliver(self, out: RequestOutput) -> None:
-        """Called by Engine.step (under the engine's lock) for each output of our requests."""
-        self._buffer.append(out)
-        if out.finished:
-            self._remaining.discard(out.request_id)
-
-    def poll(self) -> list[RequestOutput]:
-        """The outputs delivered so far and not yet taken, without stepping the engine (for a
-        caller whose requests are stepped by someone else: another thread, a server loop)."""
-        out = []
-        while self._buffer:
-            out.append(self._buffer.popleft())
-        return out
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> RequestOutput:
-        while True:
-            if self._buffer:
-                return self._buffer.popleft()
-            if not self._remaining:  # deliver() appends before it discards: nothing is lost
-                if self._buffer:
-                    continue
-                raise StopIteration
-            self.engine._wait_or_step(self._ready)
-
-    def _ready(self) -> bool:
-        return bool(self._buffer) or not self._remaining
-
-    def close(self) -> None:
-        engine = self.engine
-        for rid in sorted(self._remaining):
-            engine._streams.pop(rid, None)
-            try:
-                engine._abort(rid, report=False)
-            except ValueError:  # ended meanwhile (or a sibling ended with its parent)
-                pass
-        self._remaining.clear()
-        self._buffer.clear()
-
-    def __enter__(self) -> RequestStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if self._remaining and not self.engine._closed:
-                self.close()
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass
 
 
 class LockstepStreamer:

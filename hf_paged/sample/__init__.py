@@ -1,1 +1,2 @@
-"""Turning logits into tokens: the sampler and logits processing (transformers' processors)."""
+"""Turning logits into tokens: the stateless sampler over SamplingRows (metadata) and logits
+processing (transformers' processors, per-row parameters)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from hf_paged.core.request import Request
+from hf_paged.sample.metadata import SamplingRow
 from hf_paged.sampling_params import (
     F_BAN,
     F_NGRAM,
@@ -91,9 +91,11 @@ def _subset(scores: torch.Tensor, rows: list[int], fn, *values: list) -> torch.T
     return scores.index_copy(0, idx, fn(scores.index_select(0, idx), *tensors))
 
 
-def apply_warpers(scores: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+def apply_warpers(
+    scores: torch.Tensor, requests: list[SamplingRow], rows: list[int]
+) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, typical-p on the sampling rows, in transformers' order."""
-    ps = [requests[i].sampling_params for i in rows]
+    ps = [requests[i].params for i in rows]
     temps = [p.temperature for p in ps]
     if any(t != 1.0 for t in temps):
         scores = _subset(scores, rows, lambda s, t: s / t.unsqueeze(-1), temps)
@@ -116,25 +118,29 @@ class TokenCountPool:
     """Per-request token statistics for penalties, one row per request that uses them:
     prompt_mask[slot, v] (v occurs in the prompt) and output_counts[slot, v] (times v was
     generated). A row is claimed on a request's first penalised step and released when the
-    request leaves the running set (ModelRunner.release: finished, aborted, failed, preempted);
-    a request whose token history was rewritten (a beam) claims a fresh row, giving back its old
-    one."""
+    request leaves the running set (the runner's InputBatch.release: finished, aborted, failed,
+    preempted, rewritten); a SamplingRow built anew for the same request claims a fresh row."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, device: torch.device, vocab_size: int = 0) -> None:
         self.device = device
-        self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
-        self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
-        self.owners: list[Request | None] = []
+        self._size(vocab_size)
+        self.owners: list[SamplingRow | None] = []
         self.slot_of: dict[str, int] = {}  # request id -> its row
+
+    def _size(self, vocab_size: int) -> None:
+        """The vocabulary is the logits' width (lm_head rows, which may pad the tokenizer's):
+        known at the first penalised step."""
+        self.vocab_size = vocab_size
+        self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
+        self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=self.device)
 
     def release(self, request_id: str) -> None:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.owners[slot] = None
 
-    def _claim(self, request: Request) -> int:
-        self.release(request.request_id)
+    def _claim(self, request: SamplingRow) -> int:
+        self.release(request.req_id)
         for slot, owner in enumerate(self.owners):
             if owner is None:
                 break
@@ -148,7 +154,7 @@ class TokenCountPool:
                 [self.output_counts, self.output_counts.new_zeros(grow, v)]
             )
         self.owners[slot] = request
-        self.slot_of[request.request_id] = slot
+        self.slot_of[request.req_id] = slot
         request.penalty_slot = slot
         request.penalty_num_counted = 0
         self.prompt_mask[slot] = False
@@ -157,15 +163,20 @@ class TokenCountPool:
         self.prompt_mask[slot, prompt.clamp(max=self.vocab_size - 1)] = True
         return slot
 
-    def sync(self, requests: list[Request]) -> torch.Tensor:
+    def sync(self, requests: list[SamplingRow], vocab_size: int) -> torch.Tensor:
         """Bring the rows of these requests up to date; returns their slots (int64 [R])."""
+        if vocab_size != self.vocab_size:
+            if self.slot_of:
+                raise RuntimeError("penalty counts: the vocabulary size changed")
+            self._size(vocab_size)
+            self.owners = []
         slots, new_slots, new_tokens = [], [], []
         for r in requests:
             slot = r.penalty_slot
             if slot < 0 or slot >= len(self.owners) or self.owners[slot] is not r:
                 slot = self._claim(r)
             start = r.num_prompt_tokens + r.penalty_num_counted
-            fresh = r.all_token_ids[start:]  # usually the one token sampled last step
+            fresh = r.token_ids[start:]  # usually the one token sampled last step
             if fresh:
                 new_slots.extend([slot] * len(fresh))
                 new_tokens.extend(fresh)
@@ -182,15 +193,15 @@ class TokenCountPool:
 
 
 def _apply_penalties(
-    scores: torch.Tensor, requests: list[Request], rows: list[int], pool: TokenCountPool
+    scores: torch.Tensor, requests: list[SamplingRow], rows: list[int], pool: TokenCountPool
 ) -> torch.Tensor:
     dev = scores.device
     reqs = [requests[i] for i in rows]
-    slots = pool.sync(reqs)
+    slots = pool.sync(reqs, scores.shape[-1])
     counts = pool.output_counts.index_select(0, slots)
     idx = torch.tensor(rows, device=dev)
     sub = scores.index_select(0, idx)
-    ps = [r.sampling_params for r in reqs]
+    ps = [r.params for r in reqs]
     rep = [p.repetition_penalty for p in ps]
     if any(x != 1.0 for x in rep):
         # transformers: every token of the prompt and output, score<0 ? score*p : score/p
@@ -211,11 +222,11 @@ def _apply_penalties(
 # -- masks -----------------------------------------------------------------------------------------
 
 
-def _ngram_bans(r: Request) -> list[int]:
+def _ngram_bans(r: SamplingRow) -> list[int]:
     """Tokens that would repeat an n-gram of the request's tokens (prompt included, as in
     transformers for decoder-only models). The index grows by the n-grams the last step added."""
-    n = r.sampling_params.no_repeat_ngram_size
-    tokens = r.all_token_ids
+    n = r.params.no_repeat_ngram_size
+    tokens = r.token_ids
     if r.ngram_index is None:
         r.ngram_index, r.ngram_num_indexed = {}, 0
     index = r.ngram_index
@@ -227,7 +238,9 @@ def _ngram_bans(r: Request) -> list[int]:
     return index.get(tuple(tokens[len(tokens) - n + 1 :]), [])
 
 
-def _collect_bans(requests: list[Request], feats: list[int], rows_out, toks_out, mask_rows) -> None:
+def _collect_bans(
+    requests: list[SamplingRow], feats: list[int], rows_out, toks_out, mask_rows
+) -> None:
     for i, (r, f) in enumerate(zip(requests, feats)):
         if f & F_NGRAM:
             bans = _ngram_bans(r)
@@ -235,25 +248,27 @@ def _collect_bans(requests: list[Request], feats: list[int], rows_out, toks_out,
             toks_out.extend(bans)
         if not f & F_BAN:
             continue
-        p = r.sampling_params
+        p = r.params
         if r.banned_token_ids:
             mask_rows.append(i)
-        tokens = r.all_token_ids
+        tokens = r.token_ids
         for prefix, last in r.bad_word_prefixes:
             k = len(prefix)
             if k <= len(tokens) and tuple(tokens[len(tokens) - k :]) == prefix:
                 rows_out.append(i)
                 toks_out.append(last)
         num_out = r.num_output_tokens
-        if num_out < p.min_tokens and r.eos_token_ids:
-            rows_out.extend([i] * len(r.eos_token_ids))
-            toks_out.extend(r.eos_token_ids)
+        if num_out < p.min_tokens and r.stop_token_ids:
+            rows_out.extend([i] * len(r.stop_token_ids))
+            toks_out.extend(r.stop_token_ids)
         if num_out == 0 and p.begin_suppress_tokens:
             rows_out.extend([i] * len(p.begin_suppress_tokens))
             toks_out.extend(p.begin_suppress_tokens)
 
 
-def _apply_bans(scores: torch.Tensor, requests: list[Request], feats: list[int]) -> torch.Tensor:
+def _apply_bans(
+    scores: torch.Tensor, requests: list[SamplingRow], feats: list[int]
+) -> torch.Tensor:
     rows, toks, mask_rows = [], [], []
     _collect_bans(requests, feats, rows, toks, mask_rows)
     dev, vocab = scores.device, scores.shape[-1]
@@ -286,7 +301,7 @@ def _apply_bans(scores: torch.Tensor, requests: list[Request], feats: list[int])
 
 
 def _apply_user(
-    scores: torch.Tensor, requests: list[Request], rows: list[int], failed: dict | None
+    scores: torch.Tensor, requests: list[SamplingRow], rows: list[int], failed: dict | None
 ) -> torch.Tensor:
     """transformers semantics, one request at a time: processor(input_ids [1, L], scores [1, V]).
     Costs one Python call per processor per request per step, plus building input_ids (O(L)).
@@ -296,48 +311,43 @@ def _apply_user(
     scores = scores.clone()
     for i in rows:
         r = requests[i]
-        ids = torch.tensor([r.all_token_ids], dtype=torch.long, device=scores.device)
-        procs = LogitsProcessorList(r.sampling_params.logits_processors)
+        ids = torch.tensor([r.token_ids], dtype=torch.long, device=scores.device)
+        procs = LogitsProcessorList(r.params.logits_processors)
         try:
             scores[i : i + 1] = procs(ids, scores[i : i + 1])
         except Exception as exc:
             if failed is None:
                 raise
-            failed[r.request_id] = exc
+            failed[r.req_id] = exc
     return scores
 
 
 # -- the pipeline ----------------------------------------------------------------------------------
 
 
-class LogitsProcessor:
-    """Turns one step's raw logits rows into transformers' `scores` rows."""
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.pool = TokenCountPool(vocab_size, device)
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        feats: list[int],
-        any_feats: int,
-        failed: dict | None = None,
-    ) -> torch.Tensor:
-        """logits: float32 [B, V] (not modified). Returns scores [B, V] (logits itself when no
-        row uses any stage). failed: see _apply_user."""
-        scores = logits
-        if any_feats & (F_REPETITION | F_PRESENCE):
-            rows = [i for i, f in enumerate(feats) if f & (F_REPETITION | F_PRESENCE)]
-            scores = _apply_penalties(scores, requests, rows, self.pool)
-        if any_feats & (F_NGRAM | F_BAN):
-            scores = _apply_bans(scores, requests, feats)
-        if any_feats & F_USER:
-            rows = [i for i, f in enumerate(feats) if f & F_USER]
-            scores = _apply_user(scores, requests, rows, failed)
-        if any_feats & F_WARP:
-            scores = apply_warpers(scores, requests, [i for i, f in enumerate(feats) if f & F_WARP])
-        if any_feats & F_RENORM:
-            rows = [i for i, f in enumerate(feats) if f & F_RENORM]
-            scores = _subset(scores, rows, lambda s: s.log_softmax(dim=-1))
-        return scores
+def process_logits(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    feats: list[int],
+    any_feats: int,
+    pool: TokenCountPool | None,
+    failed: dict | None = None,
+) -> torch.Tensor:
+    """Turn one step's raw logits rows into transformers' `scores` rows. logits: float32 [B, V]
+    (not modified). Returns scores [B, V] (logits itself when no row uses any stage). pool: the
+    penalty counts (needed when a row has a penalty). failed: see _apply_user."""
+    scores = logits
+    if any_feats & (F_REPETITION | F_PRESENCE):
+        sel = [i for i, f in enumerate(feats) if f & (F_REPETITION | F_PRESENCE)]
+        scores = _apply_penalties(scores, rows, sel, pool)
+    if any_feats & (F_NGRAM | F_BAN):
+        scores = _apply_bans(scores, rows, feats)
+    if any_feats & F_USER:
+        sel = [i for i, f in enumerate(feats) if f & F_USER]
+        scores = _apply_user(scores, rows, sel, failed)
+    if any_feats & F_WARP:
+        scores = apply_warpers(scores, rows, [i for i, f in enumerate(feats) if f & F_WARP])
+    if any_feats & F_RENORM:
+        sel = [i for i, f in enumerate(feats) if f & F_RENORM]
+        scores = _subset(scores, sel, lambda s: s.log_softmax(dim=-1))
+    return scores

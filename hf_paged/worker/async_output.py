@@ -2,41 +2,39 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-from hf_paged.core.scheduler import ModelRunnerOutput
 
 
 class PendingOutput:
-    """A launched step's sampled tokens on their way to the host (asynchronous scheduling)."""
+    """A launched step's sampled tokens, being copied into pinned host memory (or written there
+    by the decode graph's own kernel). ModelRunner.finish_async reads them once they landed."""
 
-    def __init__(self, runner, num_seqs, sample_rows, rows, positions, tokens_t, landed=None):
-        self.runner = runner
+    def __init__(
+        self,
+        num_seqs: int,
+        sample_rows: list[int],
+        rows: np.ndarray,
+        positions: np.ndarray,
+        host: torch.Tensor | None,
+        epochs: np.ndarray,
+        on_cuda: bool,
+    ) -> None:
         self.num_seqs = num_seqs
-        self.sample_rows = sample_rows  # indices into the step's requests
-        self.rows = rows  # their InputBatch rows, and the epochs of those rows now
-        self.epochs = runner.input_batch.epoch[rows]
+        self.sample_rows = sample_rows  # indices into the step's batch
+        self.rows = rows  # their InputBatch rows, and the epochs of those rows at launch
+        self.epochs = epochs
         self.positions = positions  # where each sampled token goes in its row
+        self.host = host  # None: nothing was sampled
         self.event = None
-        self.host = None
-        if tokens_t is not None:
-            if landed is not None:  # written into pinned host memory by the step's own kernel
-                self.host = landed
-            else:
-                self.host = runner._host_buffer(len(sample_rows))
-                self.host.copy_(tokens_t, non_blocking=True)
-            if runner.device.type == "cuda":
-                self.event = torch.cuda.Event()
-                self.event.record()
+        if host is not None and on_cuda:  # the copy (or the graph's write) is queued
+            self.event = torch.cuda.Event()
+            self.event.record()
 
-    def result(self) -> ModelRunnerOutput:
+    def wait(self) -> np.ndarray | None:
+        """The tokens (int64 [len(sample_rows)]) once on the host; None if none were sampled."""
         if self.host is None:
-            return ModelRunnerOutput.from_rows(self.num_seqs, [], [])
+            return None
         if self.event is not None:
             self.event.synchronize()
-        tokens = self.host.numpy().copy()
-        # still running (row not released or reused): the token is its row's next input
-        ib = self.runner.input_batch
-        live = ib.epoch[self.rows] == self.epochs
-        ib.token_ids[self.rows[live], self.positions[live]] = tokens[live]
-        return ModelRunnerOutput.from_rows(self.num_seqs, self.sample_rows, tokens.tolist())
+        return self.host.numpy().copy()

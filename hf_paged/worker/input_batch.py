@@ -1,21 +1,45 @@
 """Persistent per-request state of the model runner, kept in arrays so that building a step's
 inputs is a handful of vectorised numpy gathers instead of Python loops over tokens.
 
-Each running request owns a row: its token ids (prompt + outputs) and its block ids. Rows are
-filled once when a request starts running and then only appended to: a sampled token is written
-into the row by the runner, a new KV block id by sync_blocks. Preemption, finish and abort release
-the row.
+Each running request owns a row: its token ids (prompt + outputs) and its block ids, and its
+sampling state (a SamplingRow: parameters, generator, history, caches). Rows are filled once,
+from the scheduler's NewRequestData, when the runner first gets a request, and then only
+appended to: a sampled token is written into the row by the runner (add_token), a new KV block
+id by sync_blocks. Whatever takes a request out of the running set (finish, abort, preemption,
+a rewrite of its history) releases the row; a rewritten request comes back as new data.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from hf_paged.core.request import Request
+from hf_paged.core.outputs import NewRequestData
+from hf_paged.sample.logits_processing import TokenCountPool
+from hf_paged.sample.metadata import SamplingRow
+
+
+def sampling_row(data: NewRequestData) -> SamplingRow:
+    siblings = None
+    if data.siblings:
+        siblings = [sampling_row(s) for s in data.siblings]
+    return SamplingRow(
+        req_id=data.req_id,
+        params=data.sampling_params,
+        generator=data.generator,
+        token_ids=list(data.token_ids),
+        num_prompt_tokens=data.num_prompt_tokens,
+        stop_token_ids=data.stop_token_ids,
+        banned_token_ids=data.banned_token_ids,
+        bad_word_prefixes=data.bad_word_prefixes,
+        siblings=siblings,
+    )
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -27,24 +51,31 @@ class InputBatch:
         # bumped whenever a row changes hands: a token that lands after its step (asynchronous
         # scheduling) is written only if the row still belongs to the request that sampled it
         self.epoch = np.zeros(max_num_reqs, dtype=np.int64)
+        # tokens known on the host per row (a token past them is still on the device: async)
+        self.num_known = np.zeros(max_num_reqs, dtype=np.int64)
+        self.features = np.zeros(max_num_reqs, dtype=np.int64)  # SamplingParams.features
+        self.prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        self.sampling: list[SamplingRow | None] = [None] * max_num_reqs
+        self.penalty_counts = TokenCountPool(device)  # rows of requests with a penalty
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def row_of(self, request: Request) -> int:
-        row = self.req_to_row.get(request.request_id)
-        if row is None:
-            row = self._add(request)
-        return row
-
-    def _add(self, request: Request) -> int:
+    def add(self, data: NewRequestData) -> int:
         if not self.free_rows:
             raise RuntimeError("more running requests than max_num_seqs rows")
+        if data.req_id in self.req_to_row:
+            raise RuntimeError(f"{data.req_id} already holds a row")
         row = self.free_rows.pop()
         self.epoch[row] += 1
-        tokens = request.all_token_ids
+        tokens = data.token_ids
         self.token_ids[row, : len(tokens)] = tokens
+        self.num_known[row] = len(tokens)
         self.num_blocks[row] = 0
-        self.req_to_row[request.request_id] = row
+        state = sampling_row(data)
+        self.sampling[row] = state
+        self.features[row] = state.features
+        self.prompt_logprobs[row] = bool(data.sampling_params.prompt_logprobs)
+        self.req_to_row[data.req_id] = row
         return row
 
     def release(self, request_id: str) -> None:
@@ -52,7 +83,18 @@ class InputBatch:
         if row is not None:
             self.num_blocks[row] = 0
             self.epoch[row] += 1
+            self.sampling[row] = None
             self.free_rows.append(row)
+            self.penalty_counts.release(request_id)
+
+    def add_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
+        """Sampled tokens known on the host: each is its row's next input, and the next entry
+        of its sampling history."""
+        self.token_ids[rows, positions] = tokens
+        self.num_known[rows] = positions + 1
+        sampling = self.sampling
+        for row, token in zip(rows.tolist(), tokens):
+            sampling[row].token_ids.append(token)
 
     def sync_blocks(self, row: int, block_ids: list[int]) -> None:
         """Append block ids the KV manager allocated since the last step (usually zero or one)."""

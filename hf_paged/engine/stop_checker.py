@@ -1,6 +1,7 @@
 """Stop conditions beyond end-of-sequence ids and lengths: stop strings and user criteria.
 
-Both run per request after it gets a token, with transformers' semantics on the request's own
+The output processor runs both per request after it gets a token (the scheduler checks only
+end-of-sequence/stop ids and lengths), with transformers' semantics on the request's own
 tokens ([1, num_tokens], no padding). Stop strings use transformers' StopStringCriteria, which
 matches on the tokenizer's vocabulary (a stop string must overlap the last token, as there), and
 only looks at the last `maximum_token_len` tokens, so it costs O(1) per step. A user

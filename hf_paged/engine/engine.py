@@ -1,0 +1,355 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+engine = Engine(model, tokenizer)
+engine.add_request("Hello", SamplingParams(max_tokens=32, temperature=0))
+while engine.has_unfinished_requests():
+    for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+
+from hf_paged.config import EngineConfig
+from hf_paged.core.request import Request, RequestOutput, RequestStatus
+from hf_paged.engine.core import EngineCore
+from hf_paged.engine.inbox import Inbox
+from hf_paged.engine.input_processor import InputProcessor
+from hf_paged.engine.output_processor import make_output
+from hf_paged.engine.stream import RequestStream
+from hf_paged.gc_freeze import frozen_heap
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.attention import ATTN_IMPLEMENTATION
+
+
+class Engine:
+    """Thread rules: every public method may be called from any thread.
+    - add_request / stream validate in the caller's thread (tokenising too) and put the new
+      requests in an inbox; they never wait for a step in progress. The next step admits them.
+    - step() runs under the engine's lock, one at a time; each step serves every live request,
+      whoever added it, and delivers each output to the RequestStream that owns its request.
+      Streams (Engine.stream / generate, and so model.generate) take turns stepping: one thread
+      steps while the others wait for their outputs, so concurrent generate calls share one
+      continuously batched run and each caller waits for its own requests only.
+    - abort() acts at once when no step is running, else at the start of the next step.
+    - A callback that runs inside a step (a stopping criterion, a logits processor, a streamer)
+      may call add_request or abort; they take effect at the next step.
+
+    While it lives, an Engine holds its model's attention routing (a ModelLease shared by every
+    Engine on the model): unpatching or shutting down another Engine leaves this one working;
+    switching the model's attention implementation by hand under it makes step() raise."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, **options) -> None:
+        from hf_paged.integrations.transformers import enable_paged_attention
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = EngineConfig.from_options(**options)
+        self._lock = threading.Lock()  # the lock a step holds
+        self._inbox = Inbox()  # what adding and aborting leave for the next step
+        # streams waiting for outputs: one of them steps (_stepping), the others wait here
+        self._turn = threading.Condition()
+        self._stepping = False
+        self._closed = False
+        self._lease = enable_paged_attention(model, self)
+        try:
+            self._build(model, config)
+        except BaseException:  # bad options found late: the model goes back as it came
+            self._release_model()
+            raise
+
+    def _build(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        config.resolve_for(model)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.num_fused_projections = 0
+        if config.fuse_projections:  # before compile and graph capture see the model
+            from hf_paged.integrations.fused_projections import fuse_projections
+
+            self.num_fused_projections = fuse_projections(model)
+            if self.num_fused_projections:  # put back by the last Engine on the model
+                self._lease.fused = True
+        self.core = core = EngineCore(model, config)
+        # the core's parts, for introspection (stats, tests, benchmarks)
+        self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.inputs = InputProcessor(
+            config,
+            self.tokenizer,
+            self.vocab_size,
+            self.kv.num_blocks,
+            self.runner.device,
+            [eos] if isinstance(eos, int) else list(eos or []),
+        )
+        self._streams: dict[str, RequestStream] = {}  # request id -> the stream it reports to
+        self._queued: list[RequestOutput] = []  # final outputs of aborts, reported by step()
+
+    def _release_model(self) -> None:
+        from hf_paged.integrations.transformers import disable_paged_attention
+
+        lease, self._lease = self._lease, None
+        if lease is not None and disable_paged_attention(self.model, self) and lease.fused:
+            from hf_paged.integrations.fused_projections import unfuse_projections
+
+            unfuse_projections(self.model)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: shut down (shutdown() or unpatch); build a new Engine")
+        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RuntimeError(
+                "model: its attention implementation was switched to "
+                f"{self.model.config._attn_implementation!r} while this Engine is live; the "
+                "Engine needs 'hf_paged' (shut the Engine down before switching)"
+            )
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises ValueError and changes nothing.
+        The request joins at the next step."""
+        self._check_open()
+        requests = self.inputs.make_requests(prompt, params, request_id, priority)
+        self._submit(requests, partial(self._admit, requests))
+        return requests[0].request_id
+
+    def _submit(self, requests: list[Request], action, stream=None) -> None:
+        ids = [r.request_id for r in requests]
+        if stream is not None:  # before the admission can run: no output may miss its stream
+            for rid in ids:
+                self._streams.setdefault(rid, stream)
+        try:
+            self._inbox.submit(ids, action, self.scheduler.requests)
+        except ValueError:
+            for rid in ids:
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
+            raise
+
+    def _admit(self, requests: list[Request]) -> None:
+        parent = requests[0]
+        if parent.status.finished:  # its stream closed before it was admitted
+            return
+        self.scheduler.add_request(parent, siblings=requests[1:])
+
+    def abort(self, request_id: str) -> None:
+        """End a live request: its blocks and row are freed, and the next step() reports its
+        final output (finish_reason "abort"), and that of siblings that had not started yet.
+        Acts at once when no step is running, else at the start of the next step (a request that
+        finishes first keeps its own ending). Other requests are untouched."""
+        self._abort(request_id, report=True)
+
+    def _abort(self, request_id: str, report: bool) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not self._inbox.knows(request_id, self.scheduler.requests):
+            raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
+        action = partial(self._end_by_abort, request_id, report)
+        if self._lock.acquire(blocking=False):  # no step running (nor in this thread's stack)
+            try:
+                self._inbox.run()
+                action()
+            finally:
+                self._lock.release()
+        else:
+            self._inbox.defer(action)
+
+    def _end_by_abort(self, request_id: str, report: bool) -> None:
+        if request_id not in self.scheduler.requests:
+            return  # it ended on its own meanwhile
+        ended = self.scheduler.abort_request(request_id)
+        self.core.release_rows()
+        if report:
+            self._queued += [make_output(r, 0) for r in ended]
+        else:  # the stream that owns them has closed: nobody waits for their outputs
+            for r in ended:
+                self._streams.pop(r.request_id, None)
+
+    def drop_stream(self, request_id: str) -> None:
+        """A stream closed early: nobody waits for this request's outputs; end it if it runs."""
+        self._streams.pop(request_id, None)
+        try:
+            self._abort(request_id, report=False)
+        except ValueError:  # ended meanwhile (or a sibling ended with its parent)
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    # -- beam search (hf_paged.generation.beam_search): the narrow interface it drives ---------
+
+    def add_beam_group(self, group, root: Request, beams: list[Request]) -> None:
+        """Queue a beam group: the root request computes the prompt, the other beams wait as its
+        pending siblings (admission reserves their seats) and the group gets every beam's
+        logits row after each step (group.add_logits), then takes its beam step."""
+        self._check_open()
+        self._submit([root, *beams], partial(self._admit_beam_group, group, root, beams))
+
+    def _admit_beam_group(self, group, root: Request, beams: list[Request]) -> None:
+        if group.done:  # the call failed before its group was admitted
+            return
+        self.core.beam_groups.add(group)
+        self.scheduler.add_request(root, siblings=beams)
+
+    def end_beam_groups(self, groups) -> None:
+        """End these groups' beams that still run (the caller gave up on them: an exception)."""
+        with self._lock:
+            for group in groups:
+                if not group.done:
+                    group.finish(RequestStatus.FINISHED_ABORTED)
+            self.core.beam_groups -= set(groups)
+            self.core.release_rows()
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests to run or to admit, or final outputs (of aborts) step() has yet to report."""
+        return self.scheduler.has_unfinished_requests() or bool(self._queued or self._inbox)
+
+    # -- stepping ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that got a token or ended.
+        With async_scheduling, the step is launched before the previous step's tokens are read,
+        and the outputs reported are the previous step's. Each output also goes to the
+        RequestStream that owns its request, if any (see the class docstring)."""
+        with self._lock:
+            self._check_open()
+            self._inbox.run()
+            outputs, self._queued = self._queued, []
+            try:
+                outputs += self.core.step()
+            finally:
+                self.core.release_rows()
+            delivered = self._route(outputs)
+        if delivered:
+            with self._turn:  # streams waiting for their turn: some have outputs now
+                self._turn.notify_all()
+        return outputs
+
+    def wait_or_step(self, ready) -> None:
+        """Return once ready() holds, stepping the engine meanwhile: one waiting thread steps
+        (for everyone), the others sleep until its step ends or delivers to them. Used by
+        RequestStream and beam search, so concurrent callers take turns instead of queueing on
+        the step lock (which is not fair: the stepping thread would take it again at once)."""
+        turn = self._turn
+        while True:
+            with turn:
+                while not ready():
+                    if not self._stepping:
+                        self._stepping = True
+                        break
+                    turn.wait()
+                else:
+                    return
+            try:
+                self.step()
+            finally:
+                with turn:
+                    self._stepping = False
+                    turn.notify_all()
+            if not ready() and not self.has_unfinished_requests():
+                # every request ends with a final output: nothing can be left to wait for
+                raise RuntimeError("the engine has no requests left but an awaited one never ended")
+
+    def _route(self, outputs: list[RequestOutput]) -> bool:
+        streams = self._streams
+        if not streams:
+            return False
+        delivered = False
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.deliver(out)
+                delivered = True
+                if out.finished:
+                    del streams[out.request_id]
+        return delivered
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion through continuous batching; outputs in input order.
+        A prompt with n > 1 gives n consecutive outputs (index 0..n-1). If a request's own user
+        code (stopping criterion, logits processor) raises, the other requests of this call are
+        aborted and that exception is raised here. Safe to call from several threads at once:
+        the calls share the engine's batch. The run is inside frozen_heap(): no full garbage
+        collection of the pre-run heap stalls it."""
+        with self.stream(prompts, params) as stream, frozen_heap():
+            return stream.collect(use_tqdm)
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> RequestStream:
+        """Queue every prompt and return an iterator that steps the engine and yields a
+        RequestOutput each time one of these requests gets a token (new_token_ids holds it;
+        finished=True on its last), many requests interleaved. `.request_ids` lists them in input
+        order (siblings of n > 1 after their first). Closing the iterator early aborts its
+        unfinished requests; bad input raises ValueError before anything is queued."""
+        if isinstance(prompts, (str, torch.Tensor)):
+            raise ValueError("prompts must be a list of prompts (a list of one for one prompt)")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        self._check_open()
+        # every prompt validated before any is queued; a group is one prompt and its siblings
+        groups = [self.inputs.make_requests(prompt, p) for prompt, p in zip(prompts, params)]
+        requests = [r for group in groups for r in group]
+        stream = RequestStream(self, [r.request_id for r in requests])
+        self._submit(requests, partial(self._admit_groups, groups), stream)
+        return stream
+
+    def _admit_groups(self, groups: list[list[Request]]) -> None:
+        for group in groups:
+            self._admit(group)
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.core.stats()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless everything held has a live owner: every running request
+        is RUNNING and in the table, every waiting one WAITING or PREEMPTED, nothing in the
+        table is in neither (no ghost); KV blocks (refcounts, free queue), runner rows and
+        penalty rows are held by running requests only; with no requests left, nothing is held.
+        Tests call it after every test and, in the randomized tests, after every operation."""
+        with self._lock:
+            self.core.check_invariants()
+            live = self.scheduler.requests
+            waited = set(live) | {out.request_id for out in self._queued} | self._inbox.reserved
+            assert set(self._streams) <= waited, "a stream waits for nobody"
+
+    def shutdown(self) -> None:
+        """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the
+        garbage collector breaks the runner's reference cycles, and give up the model: the last
+        Engine on it switches its attention back and puts fused projections back. The engine
+        cannot step after (step() raises)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.runner.shutdown()
+            self._release_model()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

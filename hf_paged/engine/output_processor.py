@@ -1,0 +1,99 @@
+"""Outputs out: what the runner returned becomes RequestOutputs.
+
+After each step the output processor files what requests asked to keep (logprobs, scores and
+logits rows, prompt log-probs) on them, runs stop strings and user stopping criteria (the user's
+code: a criterion that raises fails its own request only), ends the requests they stop through
+the scheduler's one exit, and builds a RequestOutput per request that got a token or ended.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hf_paged.core.outputs import ModelRunnerOutput
+from hf_paged.core.request import Request, RequestOutput, RequestStatus
+from hf_paged.core.scheduler import Scheduler
+from hf_paged.engine.stop_checker import should_stop
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def add_records(self, out: ModelRunnerOutput) -> None:
+        """File the step's kept rows on their requests (before update_from_output, which may end
+        them: a stopping criterion reads the scores row of the token that stops it)."""
+        if out.scores is None and out.logits is None and out.logprobs is None:
+            if out.prompt_logprobs is None:
+                return
+        requests = self.scheduler.requests
+        for attr, kept in (
+            ("output_scores", out.scores),
+            ("output_logits", out.logits),
+            ("output_logprobs", out.logprobs),
+        ):
+            for req_id, value in (kept or {}).items():
+                r = requests.get(req_id)
+                if r is None:
+                    continue
+                if getattr(r, attr) is None:
+                    setattr(r, attr, [])
+                getattr(r, attr).append(value)
+        for req_id, (first, values) in (out.prompt_logprobs or {}).items():
+            r = requests.get(req_id)
+            if r is None:
+                continue
+            if r.prompt_logprobs is None:
+                r.prompt_logprobs = [None] * r.num_prompt_tokens
+            r.prompt_logprobs[first : first + len(values)] = values
+
+    def make_outputs(self, advanced: list[Request], ended: list[Request]) -> list[RequestOutput]:
+        """Stop checks of the requests that got a token, then one output per request that got a
+        token (finished or not) or ended with an error and no token."""
+        stopped: dict[RequestStatus, list[Request]] = {}
+        for r in advanced:
+            if r.stop_checkers is not None and not r.status.finished:
+                try:
+                    if should_stop(r):  # a stop string or a user criterion
+                        stopped.setdefault(RequestStatus.FINISHED_STOPPED, []).append(r)
+                except Exception as exc:
+                    r.error = exc
+                    stopped.setdefault(RequestStatus.FINISHED_ERROR, []).append(r)
+        for status, requests in stopped.items():
+            self.scheduler.end_requests(requests, status)
+        now = time.perf_counter()  # rows of ended requests: released by step() once it returns
+        outputs = []
+        for r in advanced:
+            if r.first_token_time is None:
+                r.first_token_time = now
+            if r.status.finished:
+                r.finish_time = now
+            outputs.append(make_output(r, 1))
+        for r in ended:
+            if r.status == RequestStatus.FINISHED_ERROR and r.finish_time is None:
+                r.finish_time = now  # no token this step: the final output reports the error
+                outputs.append(make_output(r, 0))
+        return outputs
+
+
+def make_output(r: Request, num_new: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        token_ids_ref=r.all_token_ids,
+        num_tokens=len(r.all_token_ids),
+        new_token_ids=r.all_token_ids[-num_new:] if num_new else [],
+        finished=r.status.finished,
+        finish_reason=r.finish_reason,
+        num_cached_tokens=max(r.num_cached_tokens, 0),
+        prompt_logprobs=r.prompt_logprobs,
+        arrival_time=r.arrival_time,
+        first_token_time=r.first_token_time,
+        finish_time=r.finish_time,
+        logprobs=r.output_logprobs,
+        scores=r.output_scores,
+        logits=r.output_logits,
+        index=r.sibling_index,
+        parent_request_id=r.parent_request_id,
+        error=r.error,
+    )

@@ -1,0 +1,104 @@
+"""The Engine's iterator over many requests: RequestStream drives Engine.step and yields each
+RequestOutput as soon as one of its requests gets a token, so many requests stream interleaved
+through continuous batching."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hf_paged.core.request import RequestOutput
+
+
+class RequestStream:
+    """Iterator of RequestOutput for a set of queued requests (see Engine.stream). Closing it, or
+    leaving its `with` block, before the end aborts the requests that have not finished.
+
+    Any thread's Engine.step() delivers this stream's outputs into its buffer (deliver). When the
+    buffer is empty, the iterating thread steps the engine itself, or waits while another
+    waiting thread does (Engine.wait_or_step): concurrent streams share the steps."""
+
+    def __init__(self, engine, request_ids: list[str]) -> None:
+        self.engine = engine
+        self.request_ids = list(request_ids)
+        self._remaining = set(request_ids)
+        self._buffer: deque[RequestOutput] = deque()
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Called by Engine.step (under the engine's lock) for each output of our requests."""
+        self._buffer.append(out)
+        if out.finished:
+            self._remaining.discard(out.request_id)
+
+    def poll(self) -> list[RequestOutput]:
+        """The outputs delivered so far and not yet taken, without stepping the engine (for a
+        caller whose requests are stepped by someone else: another thread, a server loop)."""
+        out = []
+        while self._buffer:
+            out.append(self._buffer.popleft())
+        return out
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        while True:
+            if self._buffer:
+                return self._buffer.popleft()
+            if not self._remaining:  # deliver() appends before it discards: nothing is lost
+                if self._buffer:
+                    continue
+                raise StopIteration
+            self.engine.wait_or_step(self._ready)
+
+    def collect(self, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Iterate to the end; the final output of each request, in request_ids order. A
+        request's own user code that raised is raised here (the stream's close() then aborts
+        the others); a request aborted by someone else raises RuntimeError."""
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(self.request_ids), desc="hf_paged", unit="req")
+        try:
+            for out in self:
+                if out.error is not None:
+                    raise out.error
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [
+            rid
+            for rid in self.request_ids
+            if rid not in final or final[rid].finish_reason == "abort"
+        ]
+        if missing:
+            raise RuntimeError(f"requests {missing[:5]} were aborted before they finished")
+        return [final[rid] for rid in self.request_ids]
+
+    def _ready(self) -> bool:
+        return bool(self._buffer) or not self._remaining
+
+    def close(self) -> None:
+        engine = self.engine
+        for rid in sorted(self._remaining):
+            engine.drop_stream(rid)
+        self._remaining.clear()
+        self._buffer.clear()
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._remaining and not self.engine.closed:
+                self.close()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass
