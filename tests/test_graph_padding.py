@@ -13,7 +13,7 @@ import torch
 
 from hf_paged import Engine, SamplingParams
 from hf_paged.testing import drive_engine
-from hf_paged.worker import cuda_graphs
+from hf_paged.worker import graph_inputs
 from hf_paged.worker.cuda_graphs import CudaGraphRunner, graph_buckets, token_buckets
 
 
@@ -53,7 +53,7 @@ def test_padded_graph_inputs_change_no_greedy_output(
     # table_bytes: every graph's block table in its packed inputs (None: the default limit, which
     # this tiny model's tables fit), none of them (0), or only those of <= 200 bytes (some each)
     if table_bytes is not None:
-        monkeypatch.setattr(cuda_graphs, "PACKED_TABLE_BYTES", table_bytes)
+        monkeypatch.setattr(graph_inputs, "PACKED_TABLE_BYTES", table_bytes)
     model = tiny_model("llama")
     # a 48-token budget with 5 seats: prompt chunks share steps with decodes (mixed steps of
     # 2..48 tokens, padded to 32 or 48 with empty sequences), then decode batches of 1..5
@@ -162,23 +162,25 @@ def test_packed_graph_inputs_layout_and_padding(tiny_model):
     )  # fmt: skip
     graphs = eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
     graphs.capture()
-    for key, layout in graphs.layouts.items():
+    inputs = graphs.inputs
+    for key, layout in inputs.layouts.items():
         assert "block_table" in layout, key  # this model's tables fit the packed copy
         spans = sorted((o, o + n * d.itemsize) for o, d, n in layout.values())
         assert all(a % 8 == 0 for a, _ in spans), key
         assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:])), key
-        assert spans[-1][1] <= graphs._nbytes[key] <= graphs.packed.numel(), key
+        assert spans[-1][1] <= inputs.nbytes[key] <= inputs.packed.numel(), key
     seen = []
-    real_send = graphs._send
+    real_send = inputs.send
 
-    def send(step, kind, size, count, keep=None, **kw):
-        real_send(step, kind, size, count, keep, **kw)
-        v = {k: t.clone() for k, t in graphs.inputs[(kind, size)].items()}
+    def send(step, key, count, table, **kw):
+        real_send(step, key, count, table, **kw)
+        kind, size = key
+        v = {k: t.clone() for k, t in inputs[key].items()}
         # the rows' block tables as this step sent them (later steps add blocks)
         v["want_table"] = eng.runner.input_batch.block_table[step.rows, : step.max_blocks].copy()
         seen.append((kind, size, count, len(step.rows), step, v))
 
-    graphs._send = send
+    inputs.send = send  # every copy to the device goes through send()
     prompts = _prompts([30, 5, 12])
     eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert {k for k, *_ in seen} == {"decode", "mixed"}

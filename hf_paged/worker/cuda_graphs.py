@@ -24,7 +24,7 @@ static numbers, so one graph serves every context length:
   in-graph writes are then only wasted stores). A decode graph whose block table is packed
   also moves its own inputs on by a token in that kernel, and the host skips the next step's
   copy when its inputs are exactly those (same rows, positions one further, same blocks):
-  at batch 1 every step but about one in block_size.
+  at batch 1 every step but about one in block_size (worker/graph_inputs.py).
 - Mixed (any step with a prompt chunk or a multi-token query): the flat batch of T tokens is
   padded to the smallest token bucket >= T and its sequences to min(bucket, max_num_seqs) with
   empty ones (no new tokens: their attention programs exit at once). Padded tokens belong to no
@@ -38,15 +38,9 @@ static numbers, so one graph serves every context length:
   per layer. On the H200 (Llama-3-8B shape, ShareGPT lengths) mixed steps ran at ~42 ms of wall
   for ~19 ms of GPU work when launched op by op.
 
-Per step the host sends a graph's inputs in one copy, packed into one byte buffer
-(`_packed_layout`: token ids, their rows, positions, slots, sequence lengths, the block table
-rows, for mixed graphs query starts and kept rows, for decode graphs the greedy tokens' host
-landing row) laid out per graph; a graph whose block table rows exceed PACKED_TABLE_BYTES gets
-them in a second copy, only their used columns. Each graph reads its inputs from views of that
-buffer at its own offsets, and takes a token sampled by the step before
-(asynchronous scheduling) from the runner's last_tokens on the device, inside the graph. Before
-this, a batch-1 step ran eleven copies and small kernels around its graph, ~2.5 us each with the
-gaps between them (H200 timeline, evals/profiling/engine_bench.py --kernels).
+Each graph reads its per-step inputs from views of one packed device buffer that the host fills
+in one copy per step (worker/graph_inputs.py, PackedGraphInputs, where the layout and its
+measurements are).
 
 `eager=True` runs the same padded static buffers without capturing (CPU tests of the padding).
 """
@@ -54,7 +48,6 @@ gaps between them (H200 timeline, evals/profiling/engine_bench.py --kernels).
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -65,54 +58,7 @@ from hf_paged.worker.forward_context import (
     PendingTokens,
     forward_context,
 )
-from hf_paged.worker.host_to_device import pinned
-
-# A graph whose block table rows (sequences x max_blocks_per_seq int32) fit in this many bytes
-# takes them inside its packed inputs, so a step sends one copy instead of two (each copy ~1 us
-# plus ~2 us of gap at batch 1 on the H200); a larger table is sent on its own, only its used
-# columns (the packed copy would send every column of every row).
-PACKED_TABLE_BYTES = 16384
-
-
-def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0):
-    """A graph's packed per-step inputs: (name -> (byte offset, dtype, length), total bytes),
-    every field 8-byte aligned. table_width > 0: the block table rows too ([seqs, width])."""
-    fields = [
-        ("input_ids", torch.long, tokens),  # from the host (tokens it already has)
-        ("rows", torch.long, tokens),  # InputBatch row of each token: last_tokens[row]
-        ("positions", torch.long, tokens),
-        ("slot_mapping", torch.long, tokens),
-        ("seq_lens", torch.int32, seqs),
-        ("pending", torch.bool, tokens),  # the token was sampled by the step before
-    ]
-    if kind == "mixed":
-        fields += [("keep", torch.long, seqs), ("query_start_loc", torch.int32, seqs + 1)]
-    else:  # which of the two host landing rows the in-graph greedy tokens go to, and the
-        # positions sent (the landing row alternates with every device-advanced step since)
-        fields += [("host_slot", torch.long, 1), ("sent_pos", torch.long, tokens)]
-    if table_width:
-        fields += [("block_table", torch.int32, seqs * table_width)]
-    layout, offset = {}, 0
-    for name, dtype, length in fields:
-        layout[name] = (offset, dtype, length)
-        offset += -(-length * dtype.itemsize // 8) * 8
-    return layout, offset
-
-
-# what padded entries hold (capture and every step): padded tokens write no K/V (slot -1),
-# padded decode rows attend to one key, and padded tokens belong to no InputBatch row (-1: the
-# decode graph's greedy tokens are not written into last_tokens for them; they take no device
-# token, pending False, so the embedding kernel never reads last_tokens[-1] and
-# PendingTokens.resolve's torch gather, which wraps -1 to the last row, discards it);
-# everything else 0 (keep row 0)
-_PAD = {"slot_mapping": -1, "seq_lens": 1, "rows": -1}
-
-
-def _views(buf: torch.Tensor, layout: dict, table_width: int) -> dict[str, torch.Tensor]:
-    views = {name: buf[o : o + n * d.itemsize].view(d) for name, (o, d, n) in layout.items()}
-    if "block_table" in views:
-        views["block_table"] = views["block_table"].view(-1, table_width)
-    return views
+from hf_paged.worker.graph_inputs import GraphKey, PackedGraphInputs
 
 
 def graph_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
@@ -153,41 +99,19 @@ class CudaGraphRunner:
         self.token_buckets = token_buckets(min(cfg.max_graph_tokens, cfg.max_num_batched_tokens))
         seqs = max(self.buckets[-1], self.max_num_seqs)
         dev = runner.device
-        width = runner.input_batch.max_blocks_per_seq
-        self.block_table = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
         # decode: token i is sequence i, always
         self.decode_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
         self.decode_keep = torch.arange(seqs, device=dev)
         keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
-        packed = {}
-        for kind, size in keys:
-            rows = size if kind == "decode" else self._kept_rows(size)
-            in_packed = rows * width * 4 <= PACKED_TABLE_BYTES
-            packed[(kind, size)] = _packed_layout(kind, size, rows, width if in_packed else 0)
-        self.layouts = {key: layout for key, (layout, _) in packed.items()}
-        self._nbytes = {key: nbytes for key, (_, nbytes) in packed.items()}
-        nbytes = max(self._nbytes.values())
-        # every graph's packed inputs start at byte 0 of one device buffer; the host fills one
-        # of two alternating pinned twins (a step's copy may still be reading the other), through
-        # numpy views made once here: a step only writes values into them
-        self.packed = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-        self.inputs = {
-            key: _views(self.packed, layout, width) for key, layout in self.layouts.items()
+        # each graph's sequence rows: a decode bucket's batch, a mixed bucket's kept rows
+        rows = {
+            (kind, size): size if kind == "decode" else self._kept_rows(size) for kind, size in keys
         }
+        width = runner.input_batch.max_blocks_per_seq
+        self.inputs = PackedGraphInputs(rows, width, dev, runner.block_size)
         pin = dev.type == "cuda"
-        self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._host_inputs = [
-            {
-                key: {name: t.numpy() for name, t in _views(buf, layout, width).items()}
-                for key, layout in self.layouts.items()
-            }
-            for buf in self._host
-        ]
-        # recorded after each twin's copy: the host waits on it before refilling that twin
-        self._host_done = [torch.cuda.Event() for _ in self._host] if pin else None
-        self._flip = 0
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
         # Decode graphs take their greedy tokens inside (see the module docstring) with the
         # sampler's GPU argmax kernel. Off the GPU the kernel needs the interpreter.
         from hf_paged.kernels.kv_write import interpreting
@@ -204,13 +128,9 @@ class CudaGraphRunner:
         # A decode graph whose block table is in its packed inputs also moves those inputs on by
         # one token (positions, sequence lengths, cache slots; kernels/argmax.py DecodeAdvance),
         # so the next step of the same rows at the next positions, with no new block, is sent
-        # nothing: at batch 1 that is every step but one in block_size. The host still builds
-        # the step's inputs, and sends them unless they equal what the device holds
-        # (_device_holds). Why: the copy and the gaps around it were ~4.7 us of a 0.73 ms step
-        # on the H200; skipping it measured ~0.2% at the 1.1B batch 1 (kernels/argmax.py).
+        # nothing (PackedGraphInputs.send_decode): at batch 1 that is every step but one in
+        # block_size.
         self.advance = self.greedy_in_graph
-        self._held: _Held | None = None  # what the device's packed inputs hold, if advanced
-        self.sends_skipped = 0
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
         self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
@@ -226,17 +146,16 @@ class CudaGraphRunner:
             meta = AttentionMetadata(
                 query_start_loc=self.decode_qsl[: size + 1],
                 seq_lens=v["seq_lens"],
-                block_table=v.get("block_table", self.block_table[:size]),
+                block_table=self.inputs.block_table(("decode", size)),
                 slot_mapping=v["slot_mapping"],
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
             )
         else:
-            seqs = self._kept_rows(size)
             meta = AttentionMetadata(
                 query_start_loc=v["query_start_loc"],
                 seq_lens=v["seq_lens"],
-                block_table=v.get("block_table", self.block_table[:seqs]),
+                block_table=self.inputs.block_table(("mixed", size)),
                 slot_mapping=v["slot_mapping"],
                 # the wrapper picks its launches from these two alone, so from the bucket: above
                 # the decode tile, the two-launch path (grids from token and sequence counts)
@@ -291,7 +210,7 @@ class CudaGraphRunner:
 
     def _advances(self, size: int) -> bool:
         """Whether the decode graph of this bucket moves its own inputs on (see __init__)."""
-        return self.advance and "block_table" in self.inputs[("decode", size)]
+        return self.advance and self.inputs.packs_table(("decode", size))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -303,7 +222,7 @@ class CudaGraphRunner:
         order = [("mixed", t) for t in reversed(self.token_buckets)]
         order += [("decode", b) for b in reversed(self.buckets)]
         for kind, size in order:
-            self._reset_padding(kind, size)
+            self.inputs.reset_padding((kind, size))
             for _ in range(2):  # warm-up: autotuning, lazy init, compilation
                 self._forward(kind, size)
             torch.cuda.synchronize(self.runner.device)
@@ -315,12 +234,6 @@ class CudaGraphRunner:
             self.graphs[(kind, size)] = graph
             self.outputs[(kind, size)] = out
         torch.cuda.synchronize(self.runner.device)
-
-    def _reset_padding(self, kind: str, size: int) -> None:
-        """Padding values everywhere: what capture runs on (nothing is written)."""
-        v = self.inputs[(kind, size)]
-        for name, t in v.items():
-            t.fill_(_PAD.get(name, 0))
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
         self.replays[kind] += 1
@@ -349,35 +262,10 @@ class CudaGraphRunner:
         batch = len(step.rows)
         padded = self.bucket_for(batch)
         self._landing ^= 1
-        # the step's block table rows, where this graph moves its inputs on (else not needed)
-        table = None
-        if self._advances(padded):
-            table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
-        if table is not None and self._device_holds(step, table):
-            self.sends_skipped += 1
-        else:
-            self._send(step, "decode", padded, batch, table=table)
-        if table is not None:  # what the replay leaves in the packed inputs
-            self._held = _Held(step.rows.copy(), step.positions + 1, table)
-        return self._replay("decode", padded)[:batch]
-
-    def _device_holds(self, step, table: np.ndarray) -> bool:
-        """True when the packed inputs on the device, as the last decode replay moved them on,
-        are this decode step's: the same rows (so the same graph), every input a token sampled
-        on the device (pending), the positions one further, and the same block table (`table`,
-        the step's rows and used columns) whose columns already hold the new positions (so the
-        device's slots are the host's). Any _send since that replay (another graph's inputs
-        share the buffer) has cleared what it held."""
-        held = self._held
-        return (
-            held is not None
-            and step.pending is not None
-            and bool(step.pending.all())
-            and np.array_equal(step.rows, held.rows)
-            and np.array_equal(step.positions, held.positions)
-            and bool((step.positions < step.max_blocks * self.runner.block_size).all())
-            and np.array_equal(table, held.table)
+        self.inputs.send_decode(
+            step, ("decode", padded), self._step_table(step), self._landing, self._advances(padded)
         )
+        return self._replay("decode", padded)[:batch]
 
     def decode_rows(self, batch: int) -> torch.Tensor:
         """The InputBatch rows of a decode step of `batch` sequences, on the device (its graph's
@@ -411,61 +299,9 @@ class CudaGraphRunner:
                 f"mixed step of {num_tokens} tokens, {num_seqs} sequences and {num_keep} kept "
                 f"rows does not fit a graph (token buckets up to {self.token_buckets[-1:]})"
             )
-        self._send(step, "mixed", padded, num_tokens, keep)
+        self.inputs.send(step, ("mixed", padded), num_tokens, self._step_table(step), keep=keep)
         return self._replay("mixed", padded)[:num_keep]
 
-    def _send(self, step, kind: str, size: int, count: int, keep=None, table=None) -> None:
-        """Fill the graph's packed inputs (padding included) on the host and send them in one
-        copy (the block table rows in a second where they are not packed); table: the step's
-        block table rows (used columns) where the caller has them already."""
-        self._held = None  # run() records what a decode replay leaves, after this
-        self._flip ^= 1
-        if self._host_done is not None:
-            self._host_done[self._flip].synchronize()  # its copy two steps ago: long finished
-        h = self._host_inputs[self._flip][(kind, size)]
-        nbytes = self._nbytes[(kind, size)]
-        batch = len(step.rows)
-        for name, values in (
-            ("input_ids", step.input_ids),
-            ("rows", step.row_of_token),
-            ("positions", step.positions),
-            ("slot_mapping", step.slot_mapping),
-            ("pending", step.pending if step.pending is not None else False),
-        ):
-            h[name][:count] = values
-            h[name][count:] = _PAD.get(name, 0)
-        h["seq_lens"][:batch] = step.seq_lens
-        h["seq_lens"][batch:] = _PAD["seq_lens"]
-        if table is None:
-            table = self.runner.input_batch.block_table[step.rows, : step.max_blocks]
-        packed_table = h.get("block_table")
-        if packed_table is not None:
-            packed_table[:batch, : step.max_blocks] = table
-            # padded rows read one key of their first block: block 0, not whatever another
-            # graph's layout left in these bytes of the twin
-            packed_table[batch:, 0] = 0
-        if kind == "decode":
-            h["host_slot"][0] = self._landing
-            h["sent_pos"][:count] = step.positions
-            h["sent_pos"][count:] = 0
-        if kind == "mixed":
-            # sequences past the real ones are empty: they start at the end of the real tokens
-            h["query_start_loc"][:] = count
-            h["query_start_loc"][: batch + 1] = step.qsl
-            h["keep"][: len(keep)] = keep
-            h["keep"][len(keep) :] = 0
-        dev = self.runner.device
-        self.packed[:nbytes].copy_(self._host[self._flip][:nbytes], non_blocking=True)
-        if self._host_done is not None:
-            self._host_done[self._flip].record()
-        if packed_table is None:
-            self.block_table[:batch, : step.max_blocks].copy_(pinned(table, dev), non_blocking=True)
-
-
-@dataclass(slots=True)
-class _Held:
-    """A decode graph's packed inputs on the device after its replay moved them on a token."""
-
-    rows: np.ndarray  # InputBatch rows, in order
-    positions: np.ndarray  # the positions the next step must have
-    table: np.ndarray  # the block table rows (used columns) the device holds
+    def _step_table(self, step) -> np.ndarray:
+        """The step's block table rows, their used columns (host)."""
+        return self.runner.input_batch.block_table[step.rows, : step.max_blocks]
