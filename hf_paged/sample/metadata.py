@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.sampling_params import SamplingParams
+from hf_paged.sampling_params import F_RECORD, F_RENORM, F_WARP, SamplingParams
+
+# Stages that read no token history: a row with only these bits (or none, plain greedy) never
+# looks at token_ids past its prompt, so the runner does not extend it (at 256 decoding rows that
+# loop cost ~3% of a W1 step on the H200).
+NO_HISTORY = F_WARP | F_RENORM | F_RECORD
 
 
 @dataclass(slots=True, eq=False)
@@ -21,7 +26,7 @@ class SamplingRow:
     req_id: str
     params: SamplingParams
     generator: torch.Generator | None
-    token_ids: list[int]  # prompt + known outputs
+    token_ids: list[int]  # prompt + known outputs (outputs only when needs_history)
     num_prompt_tokens: int
     stop_token_ids: frozenset[int] = frozenset()  # min_tokens masks them
     banned_token_ids: list[int] = field(default_factory=list)
@@ -38,6 +43,10 @@ class SamplingRow:
 
     def __post_init__(self) -> None:
         self.features = self.params.features
+
+    @property
+    def needs_history(self) -> bool:
+        return bool(self.features & ~NO_HISTORY)
 
     @property
     def prompt_token_ids(self) -> list[int]:

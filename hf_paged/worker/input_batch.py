@@ -55,6 +55,7 @@ class InputBatch:
         self.num_known = np.zeros(max_num_reqs, dtype=np.int64)
         self.features = np.zeros(max_num_reqs, dtype=np.int64)  # SamplingParams.features
         self.prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        self.needs_history = np.zeros(max_num_reqs, dtype=bool)  # SamplingRow.needs_history
         self.sampling: list[SamplingRow | None] = [None] * max_num_reqs
         self.penalty_counts = TokenCountPool(device)  # rows of requests with a penalty
         self.req_to_row: dict[str, int] = {}
@@ -75,6 +76,7 @@ class InputBatch:
         self.sampling[row] = state
         self.features[row] = state.features
         self.prompt_logprobs[row] = bool(data.sampling_params.prompt_logprobs)
+        self.needs_history[row] = state.needs_history
         self.req_to_row[data.req_id] = row
         return row
 
@@ -89,12 +91,14 @@ class InputBatch:
 
     def add_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
         """Sampled tokens known on the host: each is its row's next input, and the next entry
-        of its sampling history."""
+        of its sampling history (for the rows whose sampling reads it)."""
         self.token_ids[rows, positions] = tokens
         self.num_known[rows] = positions + 1
-        sampling = self.sampling
-        for row, token in zip(rows.tolist(), tokens):
-            sampling[row].token_ids.append(token)
+        history = self.needs_history[rows]
+        if history.any():
+            sampling = self.sampling
+            for k in np.flatnonzero(history).tolist():
+                sampling[int(rows[k])].token_ids.append(tokens[k])
 
     def sync_blocks(self, row: int, block_ids: list[int]) -> None:
         """Append block ids the KV manager allocated since the last step (usually zero or one)."""
