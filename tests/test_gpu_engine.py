@@ -176,7 +176,7 @@ def test_small_batch_forward_changes_no_greedy_output_fp32():
         ):
             hf_paged.patch(model, **opts)
             try:
-                assert hf_paged.get_engine(model).runner.small_batch is not None
+                assert hf_paged.get_engine(model).runner.forward.small_batch is not None
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48)
             finally:
                 hf_paged.unpatch(model)

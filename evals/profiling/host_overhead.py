@@ -18,16 +18,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import time
 
 import torch
 
-PHASES = {  # phase -> (owner attribute path on the engine, method)
+PHASES = {  # phase -> (what owns it: an attribute of the engine, or a module; the function)
     "schedule": ("scheduler", "schedule"),
-    "prepare inputs": ("runner", "_prepare_inputs"),
+    "prepare inputs": ("hf_paged.worker.model_runner", "prepare_inputs"),
     "execute (incl. prepare)": ("runner", "execute"),
     "update": ("scheduler", "update_from_output"),
-    "outputs (incl. update)": (None, "_after_execute"),
+    "outputs (incl. update)": ("core", "_after_execute"),
 }
 
 
@@ -62,7 +63,7 @@ def measure(
         engine.step()
     spent = dict.fromkeys(PHASES, 0.0)
     for phase, (owner, name) in PHASES.items():
-        obj = engine if owner is None else getattr(engine, owner)
+        obj = importlib.import_module(owner) if "." in owner else getattr(engine, owner)
         fn = getattr(obj, name)
 
         def timed(*a, _fn=fn, _phase=phase, **k):

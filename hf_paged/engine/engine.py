@@ -20,7 +20,7 @@ from hf_paged.engine.core import EngineCore
 from hf_paged.engine.inbox import Inbox
 from hf_paged.engine.input_processor import InputProcessor
 from hf_paged.engine.output_processor import make_output
-from hf_paged.engine.stream import RequestStream
+from hf_paged.engine.stream import RequestStream, StreamRouter
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
@@ -84,7 +84,7 @@ class Engine:
             self.runner.device,
             [eos] if isinstance(eos, int) else list(eos or []),
         )
-        self._streams: dict[str, RequestStream] = {}  # request id -> the stream it reports to
+        self._streams = StreamRouter()  # request id -> the stream its outputs go to
         self._queued: list[RequestOutput] = []  # final outputs of aborts, reported by step()
 
     def _release_model(self) -> None:
@@ -124,15 +124,14 @@ class Engine:
 
     def _submit(self, requests: list[Request], action, stream=None) -> None:
         ids = [r.request_id for r in requests]
-        if stream is not None:  # before the admission can run: no output may miss its stream
-            for rid in ids:
-                self._streams.setdefault(rid, stream)
+        if stream is None:
+            self._inbox.submit(ids, action, self.scheduler.requests)
+            return
+        self._streams.register(ids, stream)  # before the admission: no output may miss it
         try:
             self._inbox.submit(ids, action, self.scheduler.requests)
         except ValueError:
-            for rid in ids:
-                if self._streams.get(rid) is stream:
-                    del self._streams[rid]
+            self._streams.unregister(ids, stream)
             raise
 
     def _admit(self, requests: list[Request]) -> None:
@@ -172,11 +171,11 @@ class Engine:
             self._queued += [make_output(r, 0) for r in ended]
         else:  # the stream that owns them has closed: nobody waits for their outputs
             for r in ended:
-                self._streams.pop(r.request_id, None)
+                self._streams.drop(r.request_id)
 
     def drop_stream(self, request_id: str) -> None:
         """A stream closed early: nobody waits for this request's outputs; end it if it runs."""
-        self._streams.pop(request_id, None)
+        self._streams.drop(request_id)
         try:
             self._abort(request_id, report=False)
         except ValueError:  # ended meanwhile (or a sibling ended with its parent)
@@ -233,7 +232,7 @@ class Engine:
                 outputs += self.core.step()
             finally:
                 self.core.release_rows()
-            delivered = self._route(outputs)
+            delivered = self._streams.route(outputs)
         if delivered:
             with self._turn:  # streams waiting for their turn: some have outputs now
                 self._turn.notify_all()
@@ -263,20 +262,6 @@ class Engine:
             if not ready() and not self.has_unfinished_requests():
                 # every request ends with a final output: nothing can be left to wait for
                 raise RuntimeError("the engine has no requests left but an awaited one never ended")
-
-    def _route(self, outputs: list[RequestOutput]) -> bool:
-        streams = self._streams
-        if not streams:
-            return False
-        delivered = False
-        for out in outputs:
-            stream = streams.get(out.request_id)
-            if stream is not None:
-                stream.deliver(out)
-                delivered = True
-                if out.finished:
-                    del streams[out.request_id]
-        return delivered
 
     def generate(
         self,
@@ -337,7 +322,7 @@ class Engine:
             self.core.check_invariants()
             live = self.scheduler.requests
             waited = set(live) | {out.request_id for out in self._queued} | self._inbox.reserved
-            assert set(self._streams) <= waited, "a stream waits for nobody"
+            assert self._streams.request_ids() <= waited, "a stream waits for nobody"
 
     def shutdown(self) -> None:
         """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the

@@ -102,3 +102,40 @@ class RequestStream:
                 self.close()
         except Exception:  # interpreter shutdown: nothing left to release
             pass
+
+
+class StreamRouter:
+    """Which RequestStream each request's outputs go to (Engine.step routes every output)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+
+    def register(self, request_ids: list[str], stream: RequestStream) -> None:
+        for rid in request_ids:
+            self._streams.setdefault(rid, stream)
+
+    def unregister(self, request_ids: list[str], stream: RequestStream) -> None:
+        for rid in request_ids:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+
+    def drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def request_ids(self) -> set[str]:
+        return set(self._streams)
+
+    def route(self, outputs: list[RequestOutput]) -> bool:
+        """Deliver each output to its stream; True if any was delivered."""
+        streams = self._streams
+        if not streams:
+            return False
+        delivered = False
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.deliver(out)
+                delivered = True
+                if out.finished:
+                    del streams[out.request_id]
+        return delivered
