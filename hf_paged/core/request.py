@@ -81,7 +81,6 @@ class Request:
     pending_siblings: list[Request] | None = None
     sibling_index: int = 0
     parent_request_id: str | None = None
-    beam: object | None = None  # hf_paged.generation.beam_search group this request is a beam of
     error: BaseException | None = None  # FINISHED_ERROR: what the user's code raised
 
     def __post_init__(self) -> None:

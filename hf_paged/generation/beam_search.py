@@ -261,7 +261,6 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
     root = engine.inputs.make_requests(prompt, params)[0]
     rid = root.request_id
     group = BeamGroup(engine, root, nb, plan, batch.max_new)
-    root.beam = group
     # the other beams: pending siblings of the root (admission reserves their seats)
     siblings = []
     for j in range(1, nb):
@@ -274,7 +273,6 @@ def _add_group(engine, plan, prompt, nb, batch) -> BeamGroup:
             bad_word_prefixes=list(root.bad_word_prefixes),
         )
         s.parent_request_id = rid
-        s.beam = group
         siblings.append(s)
     engine.add_beam_group(group, root, siblings)
     return group

@@ -27,7 +27,7 @@ def sampling_row(data: NewRequestData) -> SamplingRow:
         req_id=data.req_id,
         params=data.sampling_params,
         generator=data.generator,
-        token_ids=list(data.token_ids),
+        token_ids=data.token_ids,  # NewRequestData carries a copy, the row's own from now
         num_prompt_tokens=data.num_prompt_tokens,
         stop_token_ids=data.stop_token_ids,
         banned_token_ids=data.banned_token_ids,
