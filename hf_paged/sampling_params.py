@@ -71,6 +71,9 @@ class SamplingParams:
     # request's own token ids ([1, num_tokens], no padding): a Python call per request per step.
     logits_processors: list | None = None
     stopping_criteria: list | None = None
+    # a PeftModel's LoRA adapter for this request (peft's adapter name); None or "__base__": the
+    # base model. Requests with different adapters share a batch (hf_paged.lora)
+    adapter: str | None = None
     # internal: set by hf_paged.generation.beam_search for its beam requests
     beam_search: bool = False
     features: int = field(default=0, init=False, repr=False, compare=False)
@@ -108,6 +111,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.logprobs is not None:
             integer("logprobs", 0)
+        if self.adapter == "__base__":
+            self.adapter = None
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(
+                f"adapter must be an adapter name (a str) or None, got {self.adapter!r}"
+            )
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         for name in ("eos_token_id", "stop_token_ids", "suppress_tokens", "begin_suppress_tokens"):

@@ -38,6 +38,7 @@ class ModelLease:
         self.owners: weakref.WeakSet = weakref.WeakSet()
         self.previous = previous  # the attention implementation to restore
         self.fused = False  # some owner fused q/k/v and gate/up projections
+        self.lora = None  # hf_paged.lora.layers.LoraRouting: peft's LoRA layers, routed per token
 
 
 def enable_paged_attention(model: torch.nn.Module, owner: object) -> ModelLease:

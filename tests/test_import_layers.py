@@ -4,7 +4,7 @@ or inside a function. Layers, low to high:
 
     base (config, envs, sampling_params, gc_freeze)
     < core
-    < sample, worker, kernels, integrations (one layer: they may import each other; the
+    < sample, worker, kernels, integrations, lora (one layer: they may import each other; the
       sampler imports nothing from core, the runner only core/outputs.py)
     < engine
     < generation
@@ -41,6 +41,7 @@ LAYERS = {  # longest prefix wins
     "hf_paged.worker": WORKER,
     "hf_paged.kernels": WORKER,
     "hf_paged.integrations": WORKER,
+    "hf_paged.lora": WORKER,
     "hf_paged.engine": ENGINE,
     "hf_paged.generation": GENERATION,
 }

@@ -244,5 +244,7 @@ class KVCacheManager:
 
 
 def request_extra_keys(request: Request) -> tuple | None:
-    """Keys besides the tokens that decide whether KV can be shared (an adapter id, later)."""
-    return None
+    """Keys besides the tokens that decide whether KV can be shared: the LoRA adapter (two
+    adapters never share KV, the same adapter does)."""
+    name = request.sampling_params.adapter
+    return None if name is None else ("lora", name)

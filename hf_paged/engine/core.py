@@ -18,9 +18,9 @@ from hf_paged.worker.model_runner import ModelRunner
 
 
 class EngineCore:
-    def __init__(self, model, config: EngineConfig) -> None:
+    def __init__(self, model, config: EngineConfig, lora: bool = False) -> None:
         self.config = config
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, config, lora=lora)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

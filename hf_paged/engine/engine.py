@@ -22,6 +22,7 @@ from hf_paged.engine.input_processor import InputProcessor
 from hf_paged.engine.output_processor import make_output
 from hf_paged.engine.stream import RequestStream, StreamRouter
 from hf_paged.gc_freeze import frozen_heap
+from hf_paged.lora import layers as lora
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
 
@@ -65,6 +66,7 @@ class Engine:
     def _build(self, model: torch.nn.Module, config: EngineConfig) -> None:
         config.resolve_for(model)
         self.vocab_size = model.config.get_text_config().vocab_size
+        routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         self.num_fused_projections = 0
         if config.fuse_projections:  # before compile and graph capture see the model
             from hf_paged.integrations.fused_projections import fuse_projections
@@ -72,7 +74,7 @@ class Engine:
             self.num_fused_projections = fuse_projections(model)
             if self.num_fused_projections:  # put back by the last Engine on the model
                 self._lease.fused = True
-        self.core = core = EngineCore(model, config)
+        self.core = core = EngineCore(model, config, lora=routing is not None)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -83,6 +85,7 @@ class Engine:
             self.kv.num_blocks,
             self.runner.device,
             [eos] if isinstance(eos, int) else list(eos or []),
+            routing.adapters if routing is not None else None,
         )
         self._streams = StreamRouter()  # request id -> the stream its outputs go to
         self._queued: list[RequestOutput] = []  # final outputs of aborts, reported by step()
@@ -91,10 +94,14 @@ class Engine:
         from hf_paged.integrations.transformers import disable_paged_attention
 
         lease, self._lease = self._lease, None
-        if lease is not None and disable_paged_attention(self.model, self) and lease.fused:
+        if lease is None or not disable_paged_attention(self.model, self):
+            return
+        if lease.fused:
             from hf_paged.integrations.fused_projections import unfuse_projections
 
             unfuse_projections(self.model)
+        if lease.lora is not None:
+            lease.lora.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -27,6 +27,7 @@ class InputProcessor:
         num_kv_blocks: int,
         device: torch.device,
         default_eos_token_ids: list[int],
+        lora_adapters=None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -34,6 +35,8 @@ class InputProcessor:
         self.num_kv_blocks = num_kv_blocks
         self.device = device
         self.default_eos_token_ids = default_eos_token_ids
+        # () -> the LoRA adapter names the model has now; None: a model without LoRA
+        self.lora_adapters = lora_adapters
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -75,6 +78,7 @@ class InputProcessor:
         stop = set() if params.ignore_eos else set(eos)
         stop.update(params.stop_token_ids or ())
         _check_vocab(params, self.vocab_size)
+        self._check_lora(params)
         stop_checkers = build_stop_checkers(params, self.tokenizer)
         banned, bad_word_prefixes = token_bans(params, eos)
         # every sampling option that reads the token history on the host rules out running
@@ -139,6 +143,16 @@ class InputProcessor:
                 f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
         return ids
+
+    def _check_lora(self, params: SamplingParams) -> None:
+        name = params.adapter
+        if name is None:
+            return
+        if self.lora_adapters is None:
+            raise ValueError(f"adapter: {name!r} given, but the model has no LoRA adapters")
+        known = self.lora_adapters()
+        if name not in known:
+            raise ValueError(f"adapter: unknown adapter {name!r}; the model has {sorted(known)}")
 
 
 def _check_vocab(params: SamplingParams, vocab_size: int) -> None:

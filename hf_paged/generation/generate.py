@@ -16,6 +16,7 @@ can differ on padded batches; scores/logits rows of steps after a row finished a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -235,6 +236,8 @@ class GenerationPlan:
     has_default_max_length: bool
     pad: int | None
     eos: list[int]
+    # peft's generate(adapter_names=[...]): one LoRA adapter per row, "__base__" for none
+    adapter_names: list[str] | None = None
 
 
 @dataclass(slots=True)
@@ -263,6 +266,11 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
     custom_processors = kwargs.pop("logits_processor", None)
     custom_criteria = kwargs.pop("stopping_criteria", None)
     streamer = kwargs.pop("streamer", None)
+    adapter_names = kwargs.pop("adapter_names", None)
+    if adapter_names is not None and (
+        isinstance(adapter_names, str) or not all(isinstance(a, str) for a in adapter_names)
+    ):
+        raise ValueError(f"adapter_names must be a list of adapter names, got {adapter_names!r}")
     tokenizer = kwargs.pop("tokenizer", None) or engine.tokenizer
     has_default_max_length = (
         kwargs.get("max_length") is None
@@ -292,7 +300,11 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
     pad = gen.pad_token_id
     if pad is None and eos:
         pad = eos[0]  # as transformers does (it warns)
-    return GenerationPlan(gen, processors, criteria, streamer, has_default_max_length, pad, eos)
+    if adapter_names is not None and (gen.num_beams or 1) > 1:
+        raise ValueError("adapter_names with num_beams > 1 is not supported by hf_paged yet")
+    return GenerationPlan(
+        gen, processors, criteria, streamer, has_default_max_length, pad, eos, adapter_names
+    )
 
 
 def prepare_rows(model, plan: GenerationPlan, input_ids, attention_mask) -> RowBatch:
@@ -369,6 +381,8 @@ def paged_generate_many(model, inputs: list, generation_config=None, **kwargs) -
         return beam_generate(engine, plan, batches)
     prompts = [p for b in batches for p in b.prompts]
     params = [b.params for b in batches for _ in b.prompts]
+    if plan.adapter_names is not None:
+        params = _with_adapters(params, plan.adapter_names)
     expanded = [
         b.input_ids.repeat_interleave(b.params.n, dim=0) if b.params.n > 1 else b.input_ids
         for b in batches
@@ -385,6 +399,13 @@ def paged_generate_many(model, inputs: list, generation_config=None, **kwargs) -
         start += b.num_outputs
         results.append(_assemble(plan.gen, ids, [o.output_token_ids for o in outs], outs, plan.pad))
     return results
+
+
+def _with_adapters(params: list[SamplingParams], names: list[str]) -> list[SamplingParams]:
+    """Row i runs LoRA adapter names[i] (peft's adapter_names; "__base__": no adapter)."""
+    if len(names) != len(params):
+        raise ValueError(f"adapter_names: {len(names)} names for {len(params)} input rows")
+    return [dataclasses.replace(p, adapter=name) for p, name in zip(params, names)]
 
 
 def _run_streaming(engine, prompts, params, streamer, expanded, pad):

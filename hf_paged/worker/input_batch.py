@@ -57,6 +57,7 @@ class InputBatch:
         self.prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.needs_history = np.zeros(max_num_reqs, dtype=bool)  # SamplingRow.needs_history
         self.sampling: list[SamplingRow | None] = [None] * max_num_reqs
+        self.adapter: list[str | None] = [None] * max_num_reqs  # LoRA adapter of each row
         self.penalty_counts = TokenCountPool(device)  # rows of requests with a penalty
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -77,6 +78,7 @@ class InputBatch:
         self.features[row] = state.features
         self.prompt_logprobs[row] = bool(data.sampling_params.prompt_logprobs)
         self.needs_history[row] = state.needs_history
+        self.adapter[row] = data.sampling_params.adapter
         self.req_to_row[data.req_id] = row
         return row
 

@@ -31,14 +31,16 @@ from hf_paged.worker.step_inputs import (
     attention_metadata,
     device_input_ids,
     kept_rows,
+    lora_groups,
     prepare_inputs,
 )
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, lora: bool = False) -> None:
         self.model = model
         self.config = config
+        self.lora = lora  # the model has LoRA layers: steps carry each adapter's tokens
         param = next(model.parameters())
         self.device = param.device
         model_dtype = getattr(model, "dtype", param.dtype)
@@ -236,7 +238,10 @@ class ModelRunner:
         ids_t = device_input_ids(step, dev, self.last_tokens)
         pos_t = to_device(step.positions, dev)
         keep_t = to_device(kept.keep, dev)
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        if self.lora:
+            ctx.lora_groups = lora_groups(step, self.input_batch, dev)
+        with forward_context(ctx):
             return self.forward(ids_t, pos_t, keep_t), None, None
 
     def _prompt_logprobs(self, logits, kept: KeptRows, step: StepInputs) -> dict:

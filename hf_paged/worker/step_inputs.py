@@ -161,3 +161,21 @@ def kept_rows(step: StepInputs, ib: InputBatch) -> KeptRows:
     if not out.keep.size:  # the forward still writes K/V; its logits are unused
         out.keep = np.array([int(qsl[-1]) - 1], dtype=np.int64)
     return out
+
+
+def lora_groups(
+    step: StepInputs, ib: InputBatch, device: torch.device
+) -> list[tuple[str, torch.Tensor]] | None:
+    """(adapter name, token indices into the flat batch) per LoRA adapter of the step's
+    requests; None when none has one."""
+    names = [ib.adapter[row] for row in step.rows.tolist()]
+    used = {n for n in names if n is not None}
+    if not used:
+        return None
+    seq_of_token = np.repeat(np.arange(len(names)), step.num_sched)
+    groups = []
+    for name in sorted(used):
+        seqs = [i for i, n in enumerate(names) if n == name]
+        index = np.flatnonzero(np.isin(seq_of_token, seqs))
+        groups.append((name, to_device(index, device)))
+    return groups
