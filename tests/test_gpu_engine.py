@@ -271,3 +271,39 @@ def test_cuda_kv_cache_sized_from_memory():
         assert kv_bytes > 0.2 * total
     finally:
         hf_paged.unpatch(model)
+
+
+def test_lora_adapters_per_row_match_peft_alone_fp32():
+    # a PeftModel with two adapters on the real head shapes: a mixed batch (two adapters and the
+    # base) through the engine gives each row peft's own greedy tokens with that adapter alone
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        _model(torch.float32), LoraConfig(r=16, target_modules=["q_proj", "v_proj"]), "math"
+    )
+    model.add_adapter("chat", LoraConfig(r=8, target_modules=["o_proj", "down_proj", "up_proj"]))
+    torch.manual_seed(1)
+    for module in model.modules():
+        for lin in getattr(module, "lora_B", {}).values():
+            torch.nn.init.normal_(lin.weight, std=0.05)
+    model.eval()
+    lengths, names = [40, 17, 100], ["math", "__base__", "chat"]
+    ids, mask = _batch(lengths, seed=9)
+    want = []
+    for i, name in enumerate(names):
+        row = ids[i : i + 1, -lengths[i] :]
+        if name == "__base__":
+            with model.disable_adapter():
+                out = model.generate(input_ids=row, max_new_tokens=24, do_sample=False)
+        else:
+            model.set_adapter(name)
+            out = model.generate(input_ids=row, max_new_tokens=24, do_sample=False)
+        want.append(out[0, lengths[i] :].tolist())
+    hf_paged.patch(model)
+    try:
+        got = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=24, adapter_names=names
+        )
+    finally:
+        hf_paged.unpatch(model)
+    assert got[:, ids.shape[1] :].tolist() == want
