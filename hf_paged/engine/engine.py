@@ -21,6 +21,7 @@ from hf_paged.engine.inbox import Inbox
 from hf_paged.engine.input_processor import InputProcessor
 from hf_paged.engine.output_processor import make_output
 from hf_paged.engine.stream import RequestStream, StreamRouter
+from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
@@ -59,6 +60,8 @@ class Engine:
         try:
             self._build(model, config)
         except BaseException:  # bad options found late: the model goes back as it came
+            if getattr(self, "runner", None) is not None:  # compiled layers undone first
+                self.runner.shutdown()
             self._release_model()
             raise
 
@@ -75,6 +78,9 @@ class Engine:
         self.core = core = EngineCore(model, config)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
+        self.verify_error = None  # the start-up check's relative logits error (verify.py)
+        if config.verify_model:
+            self.verify_error = verify_model(model, self.runner, self._lease)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.inputs = InputProcessor(
             config,
