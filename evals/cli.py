@@ -1,4 +1,5 @@
-"""The command line behind evals/run.py: accuracy, throughput, export-workload, plots."""
+"""The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
+coverage."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from .errors import EvalError
@@ -156,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     plots = sub.add_parser("plots", help="PNG plots from throughput results JSON")
     plots.add_argument("files", nargs="+")
     plots.add_argument("--out", default=str(RESULTS_DIR))
+
+    cov = sub.add_parser(
+        "coverage",
+        help="every causal-LM type of the installed transformers as a tiny random model: "
+        "exact / refused / differs / crashed against transformers' generate",
+    )
+    cov.add_argument("--types", action="append", help="model types, comma list (default: all)")
+    cov.add_argument("--limit", type=int, default=None, help="the first N types only")
+    cov.add_argument("--out", default=str(RESULTS_DIR), help="folder for JSON and markdown")
+    cov.add_argument("--no-progress", action="store_true", help="no line per type")
     return parser
 
 
@@ -401,6 +413,22 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_coverage(args) -> int:
+    import torch
+
+    from .coverage import counts, format_table, run_coverage, select_types
+
+    types = select_types(_csv(args.types, "") or None, args.limit)
+    torch.set_num_threads(1)  # ~200 tiny models: threads only add contention
+    rows = run_coverage(types, progress=not args.no_progress)
+    table = format_table(rows)
+    print(table)
+    payload = {"argv": sys.argv, "counts": counts(rows), "rows": [asdict(r) for r in rows]}
+    path = _save(args.out, f"coverage-{time.strftime('%Y%m%d-%H%M%S')}", payload, table)
+    print(f"\nresults: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
@@ -413,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "report":
             return cmd_report(args)
+        if args.command == "coverage":
+            return cmd_coverage(args)
         from . import plots
 
         for path in args.files:

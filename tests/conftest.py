@@ -61,6 +61,9 @@ ARCHITECTURES = {
         "GPTNeoXForCausalLM",
         {"rotary_pct": 0.5, "num_key_value_heads": 4},
     ),
+    # differential attention, two attention calls per layer: refused by the start-up check
+    # (hf_paged/engine/verify.py), so not in the parity lists
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),
 }
 
 

@@ -21,7 +21,9 @@ from hf_paged.engine.inbox import Inbox
 from hf_paged.engine.input_processor import InputProcessor
 from hf_paged.engine.output_processor import make_output
 from hf_paged.engine.stream import RequestStream, StreamRouter
+from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import frozen_heap
+from hf_paged.integrations.fused_projections import fuse_projections
 from hf_paged.lora import layers as lora
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
@@ -60,6 +62,8 @@ class Engine:
         try:
             self._build(model, config)
         except BaseException:  # bad options found late: the model goes back as it came
+            if getattr(self, "runner", None) is not None:  # compiled layers undone first
+                self.runner.shutdown()
             self._release_model()
             raise
 
@@ -67,24 +71,23 @@ class Engine:
         config.resolve_for(model)
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
-        self.num_fused_projections = 0
-        if config.fuse_projections:  # before compile and graph capture see the model
-            from hf_paged.integrations.fused_projections import fuse_projections
-
-            self.num_fused_projections = fuse_projections(model)
-            if self.num_fused_projections:  # put back by the last Engine on the model
-                self._lease.fused = True
+        # before compile and graph capture see the model; put back by the last Engine on it
+        self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
+        self._lease.fused |= self.num_fused_projections > 0
         self.core = core = EngineCore(model, config, lora=routing is not None)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        # the start-up check's relative logits error (verify.py); None when off
+        self.verify_error = (
+            verify_model(model, self.runner, self._lease) if config.verify_model else None
+        )
         self.inputs = InputProcessor(
             config,
             self.tokenizer,
             self.vocab_size,
             self.kv.num_blocks,
             self.runner.device,
-            [eos] if isinstance(eos, int) else list(eos or []),
+            getattr(getattr(model, "generation_config", None), "eos_token_id", None),
             routing.adapters if routing is not None else None,
         )
         self._streams = StreamRouter()  # request id -> the stream its outputs go to

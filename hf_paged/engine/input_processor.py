@@ -26,7 +26,7 @@ class InputProcessor:
         vocab_size: int,
         num_kv_blocks: int,
         device: torch.device,
-        default_eos_token_ids: list[int],
+        default_eos: int | list[int] | None,  # the model's generation_config.eos_token_id
         lora_adapters=None,
     ) -> None:
         self.config = config
@@ -34,7 +34,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.num_kv_blocks = num_kv_blocks
         self.device = device
-        self.default_eos_token_ids = default_eos_token_ids
+        eos = default_eos
+        self.default_eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         # () -> the LoRA adapter names the model has now; None: a model without LoRA
         self.lora_adapters = lora_adapters
         self._ids = itertools.count()

@@ -3,6 +3,8 @@ at the full token budget on CUDA), and a warm-up of every attention-kernel varia
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -15,10 +17,11 @@ class KVCacheSpec:
 
     def __init__(self, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> None:
         cfg = model.config.get_text_config()
-        self.num_layers = cfg.num_hidden_layers
-        num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        read = partial(_config_field, model, cfg)
+        self.num_layers = read("num_hidden_layers")
+        num_heads = read("num_attention_heads")
+        self.num_kv_heads = read("num_key_value_heads", None) or num_heads
+        self.head_dim = read("head_dim", None) or read("hidden_size") // num_heads
         self.block_size = block_size
         self.dtype = dtype
 
@@ -38,6 +41,25 @@ class KVCacheSpec:
             )
             for _ in range(self.num_layers)
         ]
+
+
+def _config_field(model: torch.nn.Module, cfg, name: str, *default):
+    """A KV geometry field of the text config. One geometry serves every layer: a config whose
+    field varies by layer (Gemma 4's head_dim, where global_head_dim differs) raises from
+    transformers here, refused with the field's name rather than its RuntimeError."""
+    try:
+        return getattr(cfg, name, *default)
+    except AttributeError:
+        raise ValueError(
+            f"model: {type(model).__name__} has no {name} in its config: the paged KV cache "
+            "cannot be sized"
+        ) from None
+    except Exception as exc:
+        raise ValueError(
+            f"model: {type(model).__name__}: its config's {name} cannot be read as one value for "
+            f"every layer ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); the paged KV "
+            "cache has one geometry for all layers, so per-layer KV shapes are not supported yet"
+        ) from exc
 
 
 def determine_num_blocks(
