@@ -135,7 +135,9 @@ def _reference_logits(model, lease, seqs: list[torch.Tensor]) -> list[torch.Tens
     # a PeftModel: the check compares the base model (the paged side runs no adapter either)
     base_only = model.disable_adapter() if lease.lora is not None else contextlib.nullcontext()
     try:
-        with base_only:
+        # eager: layers the engine compiled in place would otherwise be traced again for this
+        # one forward under another attention implementation and a cache object
+        with base_only, torch.compiler.set_stance("force_eager"):
             logits = [_cached_forward(model, s.to(device)) for s in seqs]
     except Exception as exc:
         raise ValueError(
@@ -184,7 +186,7 @@ def _paged_logits(runner, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch
         meta = AttentionMetadata.from_lengths(q_lens, seq_lens, table.to(device))
         meta.slot_mapping = torch.cat(slot_list).to(device)
         with forward_context(ForwardContext(meta, runner.kv_caches, runner.backend)):
-            out = runner.forward(ids.to(device), positions.to(device), keep.to(device))
+            out = runner.forward.eager(ids.to(device), positions.to(device), keep.to(device))
         return out.float()
 
     try:

@@ -76,6 +76,17 @@ class ModelForward:
             return out
         return self._dispatch(input_ids, positions, keep)
 
+    def eager(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The same forward without torch.compile, for the start-up check (engine/verify.py):
+        compiling there would spend a compile on shapes no step runs, and would meet a model
+        torch.compile cannot handle before the first step's fallback does."""
+        if self.small_batch is not None and positions.shape[0] <= self.small_batch.max_rows:
+            return self.small_batch(input_ids, positions, keep)
+        with torch.compiler.set_stance("force_eager"):
+            return self._call_model(self.model, input_ids, positions, keep)
+
     def _fall_back_to_eager(self, exc: Exception) -> None:
         """torch.compile could not compile this model: run it eagerly rather than not at all,
         and say so (compile=False skips the attempt)."""
