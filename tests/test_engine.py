@@ -120,10 +120,17 @@ def test_engine_accepts_strings_with_a_tokenizer(tiny_model):
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": [3 + (ord(c) % 200) for c in text]}
 
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(97 + i % 26) for i in ids)
+
     engine = Engine(tiny_model("llama"), CharTokenizer())
     out = engine.generate(["hello world"], SamplingParams(max_tokens=3, temperature=0))[0]
     assert out.prompt_token_ids == CharTokenizer()("hello world")["input_ids"]
     assert len(out.output_token_ids) == 3
+    # the output's text: the generated tokens through the engine's tokenizer, decoded on read
+    assert out.text == CharTokenizer().decode(out.output_token_ids) and len(out.text) == 3
+    plain = Engine(tiny_model("llama")).generate([[5, 6]], SamplingParams(max_tokens=2))[0]
+    assert plain.text is None
 
 
 # -- bad input: a ValueError naming the field, and the engine keeps serving -----------------------

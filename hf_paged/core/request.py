@@ -141,6 +141,15 @@ class RequestOutput:
     # finish_reason "error": the exception the request's own user code raised (a stopping
     # criterion or logits processor); generate() and Engine.generate re-raise it
     error: BaseException | None = None
+    tokenizer: object = field(default=None, repr=False, compare=False)  # the engine's, for text
+
+    @property
+    def text(self) -> str | None:
+        """The generated tokens as text (the engine's tokenizer, special tokens skipped); None
+        without a tokenizer. Decoded when read, so outputs nobody reads as text cost nothing."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
 
     @property
     def output_token_ids(self) -> list[int]:

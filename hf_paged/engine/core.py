@@ -18,14 +18,14 @@ from hf_paged.worker.model_runner import ModelRunner
 
 
 class EngineCore:
-    def __init__(self, model, config: EngineConfig, lora: bool = False) -> None:
+    def __init__(self, model, config: EngineConfig, lora: bool = False, tokenizer=None) -> None:
         self.config = config
         self.runner = ModelRunner(model, config, lora=lora)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.kv)
-        self.output_processor = OutputProcessor(self.scheduler)
+        self.output_processor = OutputProcessor(self.scheduler, tokenizer)
         self.num_steps = 0
         self.peak_blocks_used = 0
         # beam search groups in flight (hf_paged.generation.beam_search): each takes its beams'

@@ -74,7 +74,7 @@ class Engine:
         # before compile and graph capture see the model; put back by the last Engine on it
         self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
         self._lease.fused |= self.num_fused_projections > 0
-        self.core = core = EngineCore(model, config, lora=routing is not None)
+        self.core = core = EngineCore(model, config, routing is not None, self.tokenizer)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
         # the start-up check's relative logits error (verify.py); None when off
@@ -178,7 +178,7 @@ class Engine:
         ended = self.scheduler.abort_request(request_id)
         self.core.release_rows()
         if report:
-            self._queued += [make_output(r, 0) for r in ended]
+            self._queued += [make_output(r, 0, self.tokenizer) for r in ended]
         else:  # the stream that owns them has closed: nobody waits for their outputs
             for r in ended:
                 self._streams.drop(r.request_id)

@@ -3,7 +3,8 @@
 After each step the output processor files what requests asked to keep (logprobs, scores and
 logits rows, prompt log-probs) on them, runs stop strings and user stopping criteria (the user's
 code: a criterion that raises fails its own request only), ends the requests they stop through
-the scheduler's one exit, and builds a RequestOutput per request that got a token or ended.
+the scheduler's one exit, and builds a RequestOutput per request that got a token or ended
+(whose `text` the engine's tokenizer decodes when read).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from hf_paged.engine.stop_checker import should_stop
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer=None) -> None:
         self.scheduler = scheduler
+        self.tokenizer = tokenizer  # RequestOutput.text decodes with it
 
     def add_records(self, out: ModelRunnerOutput) -> None:
         """File the step's kept rows on their requests (before update_from_output, which may end
@@ -68,15 +70,15 @@ class OutputProcessor:
                 r.first_token_time = now
             if r.status.finished:
                 r.finish_time = now
-            outputs.append(make_output(r, 1))
+            outputs.append(make_output(r, 1, self.tokenizer))
         for r in ended:
             if r.status == RequestStatus.FINISHED_ERROR and r.finish_time is None:
                 r.finish_time = now  # no token this step: the final output reports the error
-                outputs.append(make_output(r, 0))
+                outputs.append(make_output(r, 0, self.tokenizer))
         return outputs
 
 
-def make_output(r: Request, num_new: int) -> RequestOutput:
+def make_output(r: Request, num_new: int, tokenizer=None) -> RequestOutput:
     return RequestOutput(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
@@ -96,4 +98,5 @@ def make_output(r: Request, num_new: int) -> RequestOutput:
         index=r.sibling_index,
         parent_request_id=r.parent_request_id,
         error=r.error,
+        tokenizer=tokenizer,
     )
