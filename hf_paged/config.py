@@ -66,6 +66,16 @@ class EngineConfig:
     # fails, is refused with a ValueError (hf_paged/engine/verify.py). The tiny test models on
     # CPU: 10-23 ms (torch backend); 0.4-2.8 s under the Triton interpreter.
     verify_model: bool = True
+    # Speculative decoding with a draft model (hf_paged/spec_decode/): any causal LM sharing the
+    # target's vocabulary. It proposes up to num_speculative_tokens tokens a step for every
+    # request, the target verifies them in one forward (output exactly the target's), and the
+    # engine picks k per step from the batch size and the measured acceptance (0: speculation
+    # off for that step). Its KV cache shares the target's block table.
+    draft_model: object | None = None
+    num_speculative_tokens: int = 5  # the largest k (draft model and prompt lookup)
+    # "auto": k per step from the batch size and measured acceptance (spec_decode/policy.py);
+    # "fixed": always num_speculative_tokens (a request's own limits aside)
+    speculative_policy: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
@@ -97,6 +107,15 @@ class EngineConfig:
         positive("max_model_len", self.max_model_len)
         positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         positive("max_graph_batch_size", self.max_graph_batch_size)
+        positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative_policy not in ("auto", "fixed"):
+            raise ValueError(
+                f"speculative_policy must be 'auto' or 'fixed', got {self.speculative_policy!r}"
+            )
+        if self.draft_model is not None and not hasattr(self.draft_model, "parameters"):
+            raise ValueError(
+                f"draft_model must be a transformers causal LM, got {type(self.draft_model)}"
+            )
         if (
             not isinstance(self.small_batch_rows, int)
             or isinstance(self.small_batch_rows, bool)

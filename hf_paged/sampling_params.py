@@ -74,6 +74,11 @@ class SamplingParams:
     # a PeftModel's LoRA adapter for this request (peft's adapter name); None or "__base__": the
     # base model. Requests with different adapters share a batch (hf_paged.lora)
     adapter: str | None = None
+    # prompt lookup (speculative decoding without a draft model, transformers' meaning): up to
+    # this many tokens that followed the last match of the request's last 1..max_matching_
+    # ngram_size tokens in its own prompt and output are proposed and verified in one forward
+    prompt_lookup_num_tokens: int = 0
+    max_matching_ngram_size: int = 2
     # internal: set by hf_paged.generation.beam_search for its beam requests
     beam_search: bool = False
     features: int = field(default=0, init=False, repr=False, compare=False)
@@ -97,6 +102,8 @@ class SamplingParams:
         integer("n", 1)
         integer("top_k", 0)
         integer("no_repeat_ngram_size", 0)
+        integer("prompt_lookup_num_tokens", 0)
+        integer("max_matching_ngram_size", 1)
         self.temperature = number("temperature", lambda t: 0 <= t < math.inf, "finite and >= 0")
         self.top_p = number("top_p", lambda p: 0 < p <= 1, "in (0, 1]")
         self.min_p = number("min_p", lambda p: 0 <= p <= 1, "in [0, 1]")

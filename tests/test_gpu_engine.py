@@ -265,7 +265,7 @@ def test_cuda_kv_cache_sized_from_memory():
     try:
         engine = hf_paged.get_engine(model)
         free, total = torch.cuda.mem_get_info()
-        kv_bytes = engine.runner.spec.bytes_per_block * engine.kv.num_blocks
+        kv_bytes = engine.runner.kv_spec.bytes_per_block * engine.kv.num_blocks
         assert engine.kv.num_blocks > 1000
         assert torch.cuda.memory_allocated() <= 0.5 * total * 1.02
         assert kv_bytes > 0.2 * total

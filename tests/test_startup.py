@@ -24,14 +24,18 @@ def fake_cuda_memory(monkeypatch):
 
 def test_kv_cache_sized_from_profiling_forward(tiny_model, fake_cuda_memory):
     engine = Engine(tiny_model("llama"), max_num_batched_tokens=300, gpu_memory_utilization=0.5)
-    per_block = engine.runner.spec.bytes_per_block
+    per_block = engine.runner.kv_spec.bytes_per_block
     r = engine.runner
-    blocks = _profile_cuda_num_blocks(engine.config, r.spec, r.device, r.forward, r.backend)
+    blocks = _profile_cuda_num_blocks(
+        engine.config, r.kv_spec, r.device, r.forward, r.backend, per_block
+    )
     # 50% of 1000 MiB, less the forward's peak (100) and non-torch memory (100 - 60 = 40)
     assert blocks == (500 * MiB - 100 * MiB - 40 * MiB) // per_block
     engine.config.gpu_memory_utilization = 0.1
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        _profile_cuda_num_blocks(engine.config, r.spec, r.device, r.forward, r.backend)
+        _profile_cuda_num_blocks(
+            engine.config, r.kv_spec, r.device, r.forward, r.backend, per_block
+        )
 
 
 def _record_attention(engine, monkeypatch, what) -> list:

@@ -91,9 +91,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for num_new_tokens more tokens (after any prefix-cache hits). Returns the newly
-        allocated blocks, or None (changing nothing) when the free blocks do not suffice."""
+        """Make room for num_new_tokens more tokens (after any prefix-cache hits), and for
+        num_lookahead_tokens slots past them (a draft model's KV for the tokens it proposes).
+        Returns the newly allocated blocks, or None (changing nothing) when the free blocks do
+        not suffice."""
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
         bs = self.block_size
@@ -102,13 +105,15 @@ class KVCacheManager:
             # and the block they start in is not shared with a fork (no copy-on-write).
             start = request.num_computed_tokens
             end = start + num_new_tokens
-            if end <= len(held) * bs and (start % bs == 0 or held[start // bs].ref_cnt == 1):
+            if end + num_lookahead_tokens <= len(held) * bs and (
+                start % bs == 0 or held[start // bs].ref_cnt == 1
+            ):
                 if self.enable_caching and end // bs > self.num_cached_blocks[rid]:
                     self._cache_full_blocks(request, end)
                 return []
         num_held = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_required = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
         num_new_blocks = num_required - num_held - len(new_computed_blocks)
         # hits that sit in the free queue (ref_cnt 0) stop being free once we take them
         num_hits_from_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -169,7 +174,10 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Give child the parent's blocks by reference (n > 1 siblings, beams). Full blocks are
         shared for good; a shared partial last block is copied when either side writes to it."""
+        # only the blocks of computed tokens: slots reserved past them (a draft model's
+        # lookahead) are the parent's alone, and the child allocates its own
         blocks = self.req_to_blocks.get(parent.request_id, [])
+        blocks = blocks[: self.blocks_needed(parent.num_computed_tokens)]
         self.free(child)
         self.block_pool.touch(blocks)
         cid = child.request_id

@@ -32,6 +32,7 @@ class NewRequestData:
     bad_word_prefixes: list[tuple[tuple[int, ...], int]]  # longer bad words: (prefix, last)
     # n > 1: the siblings that sample their first token from this request's first logits row
     siblings: list[NewRequestData] | None = None
+    max_total_tokens: int = 0  # prompt + max new tokens: speculation proposes no further
 
 
 @dataclass(slots=True)
@@ -49,6 +50,9 @@ class ScheduledBatch:
     # rewritten one comes back in new_requests)
     released_req_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: src, dst
+    # speculative decoding: request id -> the proposed tokens scheduled after its last known
+    # token (they are in num_scheduled_tokens, not in num_tokens); None when none
+    spec_token_ids: dict[str, list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -94,6 +98,11 @@ class ModelRunnerOutput:
     beam_logits: dict[str, torch.Tensor] | None = None  # beam rows: float32 [V], not sampled
     # prompt log-probs computed this step: request id -> (first prompt position, values)
     prompt_logprobs: dict[str, tuple[int, list[float]]] | None = None
+    # speculative decoding: request id -> every token a verified request got this step (its
+    # accepted proposals, then the target's own token; sampled_token_ids holds the last one)
+    accepted_token_ids: dict[str, list[int]] | None = None
+    # request id -> the proposals for its next step
+    spec_token_ids: dict[str, list[int]] | None = None
 
     @classmethod
     def from_rows(cls, num_seqs: int, sample_rows: list[int], tokens: list[int], **extra):

@@ -82,6 +82,12 @@ class Request:
     sibling_index: int = 0
     parent_request_id: str | None = None
     error: BaseException | None = None  # FINISHED_ERROR: what the user's code raised
+    # -- speculative decoding: the runner's proposals for the next step (scheduled after the
+    # request's last token and verified by the target), and the request's counts --
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_proposed: int = 0  # proposals verified
+    num_spec_accepted: int = 0  # of those, accepted
+    num_new_tokens: int = 0  # tokens the last step appended (more than 1 after a verify)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -142,6 +148,16 @@ class RequestOutput:
     # criterion or logits processor); generate() and Engine.generate re-raise it
     error: BaseException | None = None
     tokenizer: object = field(default=None, repr=False, compare=False)  # the engine's, for text
+    # speculative decoding: proposed tokens the target verified, and how many it accepted
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed speculative tokens; None when nothing was proposed."""
+        if not self.num_spec_proposed:
+            return None
+        return self.num_spec_accepted / self.num_spec_proposed
 
     @property
     def text(self) -> str | None:

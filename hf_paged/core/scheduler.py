@@ -18,6 +18,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from hf_paged.core.request import Request, RequestStatus
+from hf_paged.core.spec_tokens import append_verified, lookahead, scheduled_proposals
 
 
 class RequestTable(dict):
@@ -99,6 +100,10 @@ class Scheduler:
         self.requests = RequestTable()
         self.num_preemptions = 0
         self.released_req_ids: list[str] = []  # see take_released_req_ids
+        # speculative decoding with a draft model: slots each step reserves past its tokens
+        self.num_lookahead_tokens = (
+            config.num_speculative_tokens if config.draft_model is not None else 0
+        )
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -173,11 +178,23 @@ class Scheduler:
                 # (second case: asynchronous scheduling, the token in flight is its last one)
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            spec = scheduled_proposals(request, num_new, budget)
+            num_new += len(spec)
+            while (
+                self.kv.allocate_slots(
+                    request,
+                    num_new,
+                    (),
+                    lookahead(
+                        request, request.num_computed_tokens + num_new, self.num_lookahead_tokens
+                    ),
+                )
+                is None
+            ):
                 victim = max(self.running, key=lambda r: r.sort_key(self.policy))
                 self._preempt(victim, out)
                 if victim.request_id in scheduled_index:
-                    budget += self._unschedule(victim, out, scheduled_index)
+                    budget += unschedule(victim, out, scheduled_index)
                 if victim is request:
                     break
                 if self.running.index(request) < i:  # a victim before us shifted the list
@@ -185,6 +202,10 @@ class Scheduler:
             else:
                 scheduled_index[request.request_id] = len(out.requests)
                 self._add_to_batch(out, request, num_new)
+                if spec:
+                    if out.batch.spec_token_ids is None:
+                        out.batch.spec_token_ids = {}
+                    out.batch.spec_token_ids[request.request_id] = spec
                 budget -= num_new
                 i += 1
 
@@ -209,7 +230,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = min(num_new, budget)
-                if self.kv.allocate_slots(request, num_new, hits) is None:
+                slots = lookahead(request, num_hit_tokens + num_new, self.num_lookahead_tokens)
+                if self.kv.allocate_slots(request, num_new, hits, slots) is None:
                     break
                 self.waiting.pop()
                 request.num_computed_tokens = num_hit_tokens
@@ -259,23 +281,12 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
         out.preempted.append(request)
         self._release(request)
-
-    @staticmethod
-    def _unschedule(request: Request, out: SchedulerOutput, index: dict[str, int]) -> int:
-        pos = index.pop(request.request_id)
-        b = out.batch
-        num = b.num_scheduled_tokens[pos]
-        del out.requests[pos], b.req_ids[pos], b.num_scheduled_tokens[pos]
-        del b.num_computed_tokens[pos], b.num_tokens[pos], b.block_ids[pos]
-        for rid, p in index.items():
-            if p > pos:
-                index[rid] = p - 1
-        return num
 
     def _fork_siblings(self, parent: Request, fork_tokens: dict | None) -> list[Request]:
         """The parent's prompt is computed and it sampled its first token: its siblings take its
@@ -339,6 +350,8 @@ class Scheduler:
         advanced: list[Request] = []
         ended: dict[RequestStatus, list[Request]] = {}
         failed = runner_output.failed
+        spec = out.batch.spec_token_ids
+        proposals = runner_output.spec_token_ids
         for request, num, token in zip(
             out.requests, out.num_scheduled_tokens, runner_output.sampled_token_ids
         ):
@@ -354,13 +367,21 @@ class Scheduler:
                 continue
             if launched:
                 request.num_pending -= 1
-            request.all_token_ids.append(token)
+            if spec and request.request_id in spec:
+                append_verified(request, spec[request.request_id], runner_output.accepted_token_ids)
+                self._check_stop(request, ended)
+            else:
+                request.all_token_ids.append(token)
+                request.num_new_tokens = 1
+                self._check_stop(request, ended)
             advanced.append(request)
             if request.pending_siblings:  # before the parent may finish and free its blocks
                 for sibling in self._fork_siblings(request, runner_output.fork_token_ids):
+                    sibling.num_new_tokens = 1
                     advanced.append(sibling)
                     self._check_stop(sibling, ended)
-            self._check_stop(request, ended)
+            if proposals and not request.status.finished and request.request_id in proposals:
+                request.spec_token_ids = proposals[request.request_id]
         finished: list[Request] = []
         for status, requests in ended.items():
             finished += self.end_requests(requests, status)
@@ -381,6 +402,20 @@ class Scheduler:
         ended.setdefault(status, []).append(request)
 
 
+def unschedule(request: Request, out: SchedulerOutput, index: dict[str, int]) -> int:
+    pos = index.pop(request.request_id)
+    b = out.batch
+    num = b.num_scheduled_tokens[pos]
+    del out.requests[pos], b.req_ids[pos], b.num_scheduled_tokens[pos]
+    del b.num_computed_tokens[pos], b.num_tokens[pos], b.block_ids[pos]
+    if b.spec_token_ids:
+        b.spec_token_ids.pop(request.request_id, None)
+    for rid, p in index.items():
+        if p > pos:
+            index[rid] = p - 1
+    return num
+
+
 def new_request_data(request: Request) -> NewRequestData:
     """What the runner needs of a request it does not hold (see NewRequestData)."""
     siblings = None
@@ -396,4 +431,5 @@ def new_request_data(request: Request) -> NewRequestData:
         banned_token_ids=request.banned_token_ids,
         bad_word_prefixes=request.bad_word_prefixes,
         siblings=siblings,
+        max_total_tokens=request.max_total_tokens,
     )

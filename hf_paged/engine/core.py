@@ -14,13 +14,24 @@ from hf_paged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from hf_paged.core.request import RequestOutput, RequestStatus
 from hf_paged.core.scheduler import Scheduler
 from hf_paged.engine.output_processor import OutputProcessor
+from hf_paged.spec_decode.draft_model import check_draft, draft_bytes_per_block
+from hf_paged.spec_decode.spec_decoder import build_spec_decoder
 from hf_paged.worker.model_runner import ModelRunner
 
 
 class EngineCore:
     def __init__(self, model, config: EngineConfig, lora: bool = False, tokenizer=None) -> None:
         self.config = config
-        self.runner = ModelRunner(model, config, lora=lora)
+        reserved = 0
+        if config.draft_model is not None:  # its KV shares the target's block ids
+            check_draft(config.draft_model, model)
+            reserved = draft_bytes_per_block(config.draft_model, config)
+        self.runner = ModelRunner(model, config, lora=lora, reserved_bytes_per_block=reserved)
+        try:
+            self.runner.spec = build_spec_decoder(self.runner, config)
+        except BaseException:
+            self.runner.shutdown()
+            raise
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -85,7 +96,18 @@ class EngineCore:
         return outputs
 
     def _can_run_ahead(self) -> bool:
-        return not self.beam_groups and not self.scheduler.requests.num_sync_only
+        """Asynchronous steps need no value on the host: no beams, no request whose sampling
+        reads its history, and no speculation (proposals are made from the known tokens)."""
+        return (
+            not self.beam_groups
+            and not self.scheduler.requests.num_sync_only
+            and not self.runner.spec.wants_sync(self._batch_size_estimate())
+        )
+
+    def _batch_size_estimate(self) -> int:
+        """Requests the next step may carry: the running ones and those waiting to join."""
+        sched = self.scheduler
+        return min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         sched, pending = self._inflight
@@ -122,6 +144,7 @@ class EngineCore:
             "attention_backend": self.runner.backend.name,
             "max_model_len": self.config.max_model_len,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            **(self.runner.spec.stats() if self.runner.spec is not None else {}),
         }
 
     def check_invariants(self) -> None:

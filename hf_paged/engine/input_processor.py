@@ -88,7 +88,15 @@ class InputProcessor:
             not params.features & ~(F_WARP | F_RENORM)
             and not params.prompt_logprobs
             and params.n == 1
+            and not params.prompt_lookup_num_tokens  # its proposals read the tokens
         )
+        if params.prompt_lookup_num_tokens and cfg.draft_model is not None:
+            raise ValueError(
+                "prompt_lookup_num_tokens: this engine speculates with its draft model "
+                "(draft_model=); prompt lookup is for engines without one"
+            )
+        if params.prompt_lookup_num_tokens and params.beam_search:
+            raise ValueError("prompt_lookup_num_tokens: not supported with beam search")
         requests = []
         for index in range(params.n):
             rid = request_id if index == 0 else f"{request_id}#{index}"

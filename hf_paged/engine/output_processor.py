@@ -14,7 +14,7 @@ import time
 from hf_paged.core.outputs import ModelRunnerOutput
 from hf_paged.core.request import Request, RequestOutput, RequestStatus
 from hf_paged.core.scheduler import Scheduler
-from hf_paged.engine.stop_checker import should_stop
+from hf_paged.engine.stop_checker import first_stop
 
 
 class OutputProcessor:
@@ -56,7 +56,12 @@ class OutputProcessor:
         for r in advanced:
             if r.stop_checkers is not None and not r.status.finished:
                 try:
-                    if should_stop(r):  # a stop string or a user criterion
+                    length = first_stop(r)  # a stop string or a user criterion
+                    if length is not None:
+                        cut = len(r.all_token_ids) - length  # later tokens of the same step
+                        if cut:
+                            del r.all_token_ids[length:]
+                            r.num_new_tokens -= cut
                         stopped.setdefault(RequestStatus.FINISHED_STOPPED, []).append(r)
                 except Exception as exc:
                     r.error = exc
@@ -70,7 +75,7 @@ class OutputProcessor:
                 r.first_token_time = now
             if r.status.finished:
                 r.finish_time = now
-            outputs.append(make_output(r, 1, self.tokenizer))
+            outputs.append(make_output(r, max(r.num_new_tokens, 1), self.tokenizer))
         for r in ended:
             if r.status == RequestStatus.FINISHED_ERROR and r.finish_time is None:
                 r.finish_time = now  # no token this step: the final output reports the error
@@ -99,4 +104,6 @@ def make_output(r: Request, num_new: int, tokenizer=None) -> RequestOutput:
         parent_request_id=r.parent_request_id,
         error=r.error,
         tokenizer=tokenizer,
+        num_spec_proposed=r.num_spec_proposed,
+        num_spec_accepted=r.num_spec_accepted,
     )

@@ -32,8 +32,22 @@ def build_stop_checkers(params: SamplingParams, tokenizer) -> list | None:
     return checkers or None
 
 
-def should_stop(request: Request) -> bool:
+def first_stop(request: Request) -> int | None:
+    """The request got request.num_new_tokens tokens this step (several after a speculative
+    verify step): the length at which a stop string or criterion first stops it, or None. Each
+    new token is checked as if it had come alone, so a stop inside an accepted run cuts it."""
+    total = len(request.all_token_ids)
+    for length in range(total - max(request.num_new_tokens, 1) + 1, total + 1):
+        if should_stop(request, length):
+            return length
+    return None
+
+
+def should_stop(request: Request, length: int | None = None) -> bool:
+    """Do the request's stop checks stop it at its first `length` tokens (default: all)?"""
     tokens = request.all_token_ids
+    if length is not None and length < len(tokens):
+        tokens = tokens[:length]
     scores = None
     if request.output_scores is not None:
         scores = tuple(row[None] for row in request.output_scores)

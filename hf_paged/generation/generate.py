@@ -43,7 +43,6 @@ from hf_paged.sampling_params import SamplingParams
 # generate() keyword arguments the engine does not implement: refused, never ignored.
 UNSUPPORTED_ARGS = (
     "prefix_allowed_tokens_fn",
-    "assistant_model",
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
     "custom_generate",
@@ -89,6 +88,8 @@ SUPPORTED_FIELDS = {
     "transformers_version",
     "_from_model_config",
     "is_assistant",
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
 }
 # A user processor of one of these types replaces the built-in one (transformers' merge rule);
 # each is handled by the SamplingParams field named here, which is then switched off.
@@ -170,6 +171,8 @@ def sampling_params_from_config(
         logits_processors=logits_processors or None,
         stopping_criteria=stopping_criteria or None,
         n=int(gen.num_return_sequences or 1) if (gen.num_beams or 1) == 1 else 1,
+        prompt_lookup_num_tokens=int(gen.prompt_lookup_num_tokens or 0),
+        max_matching_ngram_size=int(gen.max_matching_ngram_size or 2),
     )
     if not gen.do_sample:
         return SamplingParams(temperature=0.0, **kwargs)
@@ -263,6 +266,13 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
         kwargs.pop(name, None)
     if kwargs.pop("synced_gpus", None):
         raise ValueError("generate(synced_gpus=True) is not supported by hf_paged")
+    assistant = kwargs.pop("assistant_model", None)
+    if assistant is not None and assistant is not engine.config.draft_model:
+        # the draft's KV cache and graphs are built with the engine
+        raise ValueError(
+            "assistant_model: hf_paged speculates with the draft model given when the model is "
+            "patched: hf_paged.patch(model, draft_model=assistant), then generate() as usual"
+        )
     custom_processors = kwargs.pop("logits_processor", None)
     custom_criteria = kwargs.pop("stopping_criteria", None)
     streamer = kwargs.pop("streamer", None)
@@ -300,6 +310,11 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
     pad = gen.pad_token_id
     if pad is None and eos:
         pad = eos[0]  # as transformers does (it warns)
+    if (gen.num_beams or 1) > 1 and (assistant is not None or gen.prompt_lookup_num_tokens):
+        raise ValueError(
+            "assistant_model / prompt_lookup_num_tokens with num_beams > 1 (beam search) is not "
+            "supported by hf_paged"
+        )
     if adapter_names is not None and (gen.num_beams or 1) > 1:
         raise ValueError("adapter_names with num_beams > 1 is not supported by hf_paged yet")
     return GenerationPlan(

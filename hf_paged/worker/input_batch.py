@@ -58,6 +58,7 @@ class InputBatch:
         self.needs_history = np.zeros(max_num_reqs, dtype=bool)  # SamplingRow.needs_history
         self.sampling: list[SamplingRow | None] = [None] * max_num_reqs
         self.adapter: list[str | None] = [None] * max_num_reqs  # LoRA adapter of each row
+        self.max_total = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + max new tokens
         self.penalty_counts = TokenCountPool(device)  # rows of requests with a penalty
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -79,6 +80,7 @@ class InputBatch:
         self.prompt_logprobs[row] = bool(data.sampling_params.prompt_logprobs)
         self.needs_history[row] = state.needs_history
         self.adapter[row] = data.sampling_params.adapter
+        self.max_total[row] = data.max_total_tokens or self.max_model_len
         self.req_to_row[data.req_id] = row
         return row
 
@@ -101,6 +103,14 @@ class InputBatch:
             sampling = self.sampling
             for k in np.flatnonzero(history).tolist():
                 sampling[int(rows[k])].token_ids.append(tokens[k])
+
+    def add_run(self, row: int, start: int, tokens: list[int]) -> None:
+        """A verify step's tokens for one row (its accepted proposals and the target's token),
+        known from position start on."""
+        self.token_ids[row, start : start + len(tokens)] = tokens
+        self.num_known[row] = start + len(tokens)
+        if self.needs_history[row]:
+            self.sampling[row].token_ids.extend(tokens)
 
     def sync_blocks(self, row: int, block_ids: list[int]) -> None:
         """Append block ids the KV manager allocated since the last step (usually zero or one)."""

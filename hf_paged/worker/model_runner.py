@@ -34,11 +34,20 @@ from hf_paged.worker.step_inputs import (
     lora_groups,
     prepare_inputs,
 )
+from hf_paged.worker.verify_step import verify_step
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, lora: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        lora: bool = False,
+        reserved_bytes_per_block: int = 0,
+    ) -> None:
         self.model = model
+        # KV bytes per block that another cache on the same block ids takes (a draft model's)
+        self.reserved_bytes_per_block = reserved_bytes_per_block
         self.config = config
         self.lora = lora  # the model has LoRA layers: steps carry each adapter's tokens
         param = next(model.parameters())
@@ -51,10 +60,13 @@ class ModelRunner:
             if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
                 raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not a float dtype")
         self.block_size = config.block_size
-        self.spec = KVCacheSpec(model, config.block_size, kv_dtype)
+        self.kv_spec = KVCacheSpec(model, config.block_size, kv_dtype)
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
+        # speculative decoding (hf_paged/spec_decode): proposals for the next step, made after
+        # each synchronous step; set by the engine when it speculates
+        self.spec = None
         self.forward = ModelForward(model, config, self.backend.name)
         try:
             self._start(config)
@@ -65,9 +77,14 @@ class ModelRunner:
     def _start(self, config: EngineConfig) -> None:
         """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""
         self.num_blocks = determine_num_blocks(
-            config, self.spec, self.device, self.forward, self.backend
+            config,
+            self.kv_spec,
+            self.device,
+            self.forward,
+            self.backend,
+            self.reserved_bytes_per_block,
         )
-        self.kv_caches = self.spec.allocate(self.num_blocks, self.device)
+        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
         )
@@ -95,6 +112,9 @@ class ModelRunner:
             self.graph_capture_seconds = time.perf_counter() - t0
 
     def shutdown(self) -> None:
+        if self.spec is not None:
+            self.spec.shutdown()
+            self.spec = None
         self.graphs = None
         self.kv_caches = []
         self.forward.close()  # the model goes back to its owner as it came
@@ -106,6 +126,8 @@ class ModelRunner:
         and sampling state."""
         for req_id in req_ids:
             self.input_batch.release(req_id)
+        if self.spec is not None:
+            self.spec.release(req_ids)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -123,6 +145,8 @@ class ModelRunner:
         sample_idx = kept.sample_idx
         num_seqs = len(batch)
         sample_rows = sample_idx.tolist()
+        if step.num_spec is not None:  # a verify step (never asynchronous: see EngineCore)
+            return verify_step(self, batch, step, kept, logits, prompt_logprobs)
         tokens_t = None
         landed = None  # the step's tokens as they arrive in pinned host memory, no copy needed
         sampled = None
@@ -176,8 +200,16 @@ class ModelRunner:
                 logits=sampled.logits,
                 beam_logits=sampled.beam_logits,
             )
+        proposals = None
+        if self.spec is not None and sample_rows:
+            proposals = self.spec.propose(batch, step, sample_idx, None)
         return ModelRunnerOutput.from_rows(
-            num_seqs, sample_rows, tokens, prompt_logprobs=prompt_logprobs, **extra
+            num_seqs,
+            sample_rows,
+            tokens,
+            prompt_logprobs=prompt_logprobs,
+            spec_token_ids=proposals,
+            **extra,
         )
 
     def finish_async(self, pending: PendingOutput) -> ModelRunnerOutput:

@@ -63,25 +63,32 @@ def _config_field(model: torch.nn.Module, cfg, name: str, *default):
 
 
 def determine_num_blocks(
-    cfg: EngineConfig, spec: KVCacheSpec, device: torch.device, forward, backend
+    cfg: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    forward,
+    backend,
+    reserved_bytes_per_block: int = 0,
 ) -> int:
     """KV blocks: the configured number, a CPU budget, or what a CUDA profiling forward leaves
-    (forward: the runner's ModelForward; backend: its attention backend)."""
+    (forward: the runner's ModelForward; backend: its attention backend). A block costs the
+    model's KV plus reserved_bytes_per_block (a draft model's KV in the same block ids)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    per_block = spec.bytes_per_block
+    per_block = spec.bytes_per_block + reserved_bytes_per_block
     blocks_per_seq = -(-cfg.max_model_len // spec.block_size)
     if device.type != "cuda":
         # Enough for max_num_seqs full-length sequences, within cpu_kv_cache_bytes.
         return max(1, min(cfg.cpu_kv_cache_bytes // per_block, cfg.max_num_seqs * blocks_per_seq))
-    return _profile_cuda_num_blocks(cfg, spec, device, forward, backend)
+    return _profile_cuda_num_blocks(cfg, spec, device, forward, backend, per_block)
 
 
 @torch.inference_mode()
-def _profile_cuda_num_blocks(cfg: EngineConfig, spec: KVCacheSpec, device, forward, backend) -> int:
+def _profile_cuda_num_blocks(
+    cfg: EngineConfig, spec: KVCacheSpec, device, forward, backend, per_block: int
+) -> int:
     """Run one forward at the full token budget with a scratch cache, measure peak memory, and
     give the KV cache what remains of gpu_memory_utilization * total memory."""
-    per_block = spec.bytes_per_block
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -42,6 +42,9 @@ class StepInputs:
     decode_only: bool
     any_logprobs: bool  # some request computes prompt log-probs in this step's tokens
     features: int  # every SamplingParams.features bit of the step's requests (0: plain greedy)
+    # speculative decoding: proposals scheduled after each request's known tokens (the step
+    # computes them too, and a request samples when it reaches the end of them); None: none
+    num_spec: np.ndarray | None = None
 
 
 def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> StepInputs:
@@ -52,6 +55,13 @@ def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> St
         row = req_to_row[req_id]
         rows[i] = row
         ib.sync_blocks(row, block_ids)
+    num_spec = None
+    if batch.spec_token_ids:
+        spec = batch.spec_token_ids
+        num_spec = np.asarray([len(spec.get(r, ())) for r in batch.req_ids], dtype=np.int64)
+        for i in np.flatnonzero(num_spec).tolist():  # the proposals are the step's inputs
+            row, start = int(rows[i]), int(ib.num_known[rows[i]])
+            ib.token_ids[row, start : start + num_spec[i]] = spec[batch.req_ids[i]]
     starts = np.asarray(batch.num_computed_tokens, dtype=np.int64)
     total_tokens = np.asarray(batch.num_tokens, dtype=np.int64)
     known = ib.num_known[rows]
@@ -82,6 +92,7 @@ def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> St
         decode_only=num_tokens == num_seqs,
         any_logprobs=bool(ib.prompt_logprobs[rows].any()),
         features=int(np.bitwise_or.reduce(ib.features[rows])),
+        num_spec=num_spec,
     )
 
 
@@ -132,11 +143,27 @@ class KeptRows:
     sample_keep: list[int] | None = None
     # prompt log-probs: (batch index, first position, count, offset into keep)
     logprob_spans: list[tuple[int, int, int, int]] | None = None
+    # speculative decoding: each sampling request's first row in keep, and its row count (its
+    # proposals + 1: the target's logits at its last known token and at each proposal)
+    spec_first: np.ndarray | None = None
+    spec_count: np.ndarray | None = None
 
 
 def kept_rows(step: StepInputs, ib: InputBatch) -> KeptRows:
     qsl, starts, seq_lens = step.qsl, step.starts, step.seq_lens
-    if not step.any_logprobs:  # the kept rows are exactly the sampling rows, in order
+    num_spec = step.num_spec
+    if num_spec is not None and not step.any_logprobs:
+        sample_idx = np.flatnonzero(seq_lens == step.total_tokens + num_spec)
+        counts = num_spec[sample_idx] + 1
+        first = np.cumsum(counts) - counts
+        ends = qsl[sample_idx + 1]
+        keep = (
+            np.repeat(ends - counts, counts)
+            + np.arange(int(counts.sum()))
+            - np.repeat(first, counts)
+        )
+        out = KeptRows(sample_idx, keep, spec_first=first, spec_count=counts)
+    elif not step.any_logprobs:  # the kept rows are exactly the sampling rows, in order
         sample_idx = np.flatnonzero(seq_lens == step.total_tokens)
         out = KeptRows(sample_idx, qsl[sample_idx + 1] - 1)
     else:
@@ -148,16 +175,20 @@ def kept_rows(step: StepInputs, ib: InputBatch) -> KeptRows:
                 last = min(end, num_prompt - 1)  # start..last-1 predict prompt tokens
                 spans.append((i, start, last - start, len(kept)))
                 kept.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
-            if end == step.total_tokens[i]:
+            k = int(num_spec[i]) if num_spec is not None else 0
+            if end == step.total_tokens[i] + k:
                 sample_rows.append(i)
                 sample_keep.append(len(kept))
-                kept.append(int(qsl[i + 1]) - 1)
+                kept.extend(range(int(qsl[i + 1]) - 1 - k, int(qsl[i + 1])))
         out = KeptRows(
             np.asarray(sample_rows, dtype=np.int64),
             np.asarray(kept, dtype=np.int64),
             sample_keep,
             spans,
         )
+        if num_spec is not None:
+            out.spec_first = np.asarray(sample_keep, dtype=np.int64)
+            out.spec_count = num_spec[out.sample_idx] + 1
     if not out.keep.size:  # the forward still writes K/V; its logits are unused
         out.keep = np.array([int(qsl[-1]) - 1], dtype=np.int64)
     return out

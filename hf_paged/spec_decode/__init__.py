@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals (prompt lookup, a draft model) verified by the target."""

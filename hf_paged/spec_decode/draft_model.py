@@ -1,0 +1,191 @@
+"""A draft model that proposes tokens for the target, run by a ModelRunner of its own.
+
+The draft is a smaller causal LM with the target's vocabulary. It keeps a paged KV cache of its
+own with as many blocks as the target's, addressed by the target's block tables: a request's
+draft KV lives in the same block ids as its target KV, so the target's KV manager allocates and
+frees both (the scheduler reserves `num_speculative_tokens` lookahead slots for the draft's
+writes past the step's tokens), and no second block manager exists. Its runner is the engine's
+own ModelRunner (CUDA graphs, torch.compile, the small-batch forward), with one greedy row per
+request.
+
+Per step, after the target's tokens are known:
+1. catch-up: one forward of every request's tokens the draft has not computed yet (a prompt
+   chunk the target computed, the tokens a verify step accepted, the target's last token),
+   whose last logits give the first proposal d_1 (its greedy token);
+2. k - 1 decode forwards, feeding d_1 .. d_{k-1}, give d_2 .. d_k.
+The draft's KV for d_1 .. d_{k-1} is valid as far as the target accepts them (on_verified);
+past that the next catch-up rewrites it.
+
+Proposals are the draft's greedy tokens, so for sampled requests the rejection sampler treats
+the draft as a deterministic proposer (q one-hot): exact, at the cost of a lower acceptance than
+sampling from the draft's distribution when the temperature is high.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hf_paged.config import EngineConfig
+from hf_paged.core.outputs import NewRequestData, ScheduledBatch
+from hf_paged.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def check_draft(draft: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Refuse a draft that cannot propose the target's tokens, naming why."""
+    d_vocab = draft.config.get_text_config().vocab_size
+    t_vocab = target.config.get_text_config().vocab_size
+    if d_vocab > t_vocab:
+        raise ValueError(
+            f"draft_model: its vocabulary ({d_vocab} tokens) is larger than the target's "
+            f"({t_vocab}); the draft must share the target's vocabulary (draft models with "
+            "another tokenizer are not supported)"
+        )
+    d_dev = next(draft.parameters()).device
+    t_dev = next(target.parameters()).device
+    if d_dev != t_dev:
+        raise ValueError(f"draft_model: on {d_dev}, the target on {t_dev}; put both on one device")
+    if draft is target:
+        raise ValueError("draft_model: the target itself; pass a separate (smaller) model")
+
+
+class DraftProposer:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+        from hf_paged.integrations.fused_projections import fuse_projections
+        from hf_paged.integrations.transformers import enable_paged_attention
+        from hf_paged.worker.model_runner import ModelRunner
+
+        self.model = model
+        self._lease = enable_paged_attention(model, self)  # given back by shutdown()
+        if config.fuse_projections:
+            self._lease.fused |= fuse_projections(model) > 0
+        draft_config = dataclasses.replace(
+            config,
+            num_blocks=num_blocks,
+            draft_model=None,
+            async_scheduling=False,
+            verify_model=False,
+        )
+        try:
+            self.runner = ModelRunner(model, draft_config)
+        except BaseException:
+            self._give_back()
+            raise
+        # tokens of each request whose draft KV is valid (positions 0 .. valid - 1)
+        self.valid: dict[str, int] = {}
+        # requests that proposed last step: (first position fed a proposal, proposals made)
+        self.fed: dict[str, tuple[int, int]] = {}
+
+    def propose(self, batch: ScheduledBatch, step, target_ib, accepted, limits: dict) -> dict:
+        """limits: request id -> proposals wanted (requests that got a token this step and
+        may speculate). Returns request id -> proposals."""
+        self.fed.clear()  # proposals not verified (not scheduled): their KV counts for nothing
+        catch_up, want = ScheduledBatch(), {}
+        dib = self.runner.input_batch
+        for i, rid in enumerate(batch.req_ids):
+            row = int(step.rows[i])
+            known = int(target_ib.num_known[row])
+            k = limits.get(rid, 0)
+            sampled = int(step.seq_lens[i]) >= int(step.total_tokens[i])
+            # a proposing request feeds its newest token too (its logits give d_1); another
+            # leaves it for later, so the draft samples nothing for it
+            end = known if k > 0 else (known - 1 if sampled else int(step.seq_lens[i]))
+            valid = self.valid.get(rid, 0)
+            if end <= valid:
+                continue
+            if rid not in dib.req_to_row:
+                dib.add(_draft_row(rid, target_ib, row, known))
+            else:
+                drow = dib.req_to_row[rid]
+                dib.token_ids[drow, valid:known] = target_ib.token_ids[row, valid:known]
+                dib.num_known[drow] = known
+            catch_up.req_ids.append(rid)
+            catch_up.num_computed_tokens.append(valid)
+            catch_up.num_scheduled_tokens.append(end - valid)
+            catch_up.num_tokens.append(known)
+            catch_up.block_ids.append(batch.block_ids[i])
+            self.valid[rid] = end
+            if k > 0:
+                want[rid] = (k, known, batch.block_ids[i])
+        if not catch_up.req_ids:
+            return {}
+        out = self.runner.execute(catch_up)
+        proposals = {
+            rid: [t]
+            for rid, t in zip(catch_up.req_ids, out.sampled_token_ids)
+            if t >= 0 and rid in want
+        }
+        for j in range(1, max((k for k, _, _ in want.values()), default=0)):
+            decode = ScheduledBatch()
+            for rid, (k, known, block_ids) in want.items():
+                if k > j and rid in proposals:
+                    decode.req_ids.append(rid)
+                    decode.num_computed_tokens.append(known + j - 1)
+                    decode.num_scheduled_tokens.append(1)
+                    decode.num_tokens.append(known + j)
+                    decode.block_ids.append(block_ids)
+            if not decode.req_ids:
+                break
+            out = self.runner.execute(decode)
+            for rid, t in zip(decode.req_ids, out.sampled_token_ids):
+                proposals[rid].append(t)
+        for rid, tokens in proposals.items():
+            self.fed[rid] = (want[rid][1], len(tokens))
+        return proposals
+
+    def on_verified(self, scheduled: dict, accepted: dict[str, list[int]]) -> None:
+        """The target kept the first len(run) - 1 proposals of each verified request: the
+        draft's KV for the proposals it fed itself is valid that far."""
+        for rid, run in accepted.items():
+            fed = self.fed.pop(rid, None)
+            if fed is not None and rid in self.valid:
+                first, k = fed
+                self.valid[rid] = first + min(len(run) - 1, k - 1)
+
+    def release(self, req_ids: list[str]) -> None:
+        self.runner.release(req_ids)
+        for rid in req_ids:
+            self.valid.pop(rid, None)
+            self.fed.pop(rid, None)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """The draft model goes back to its owner as it came (attention, projections)."""
+        from hf_paged.integrations.transformers import disable_paged_attention
+
+        lease, self._lease = self._lease, None
+        if lease is not None and disable_paged_attention(self.model, self) and lease.fused:
+            from hf_paged.integrations.fused_projections import unfuse_projections
+
+            unfuse_projections(self.model)
+
+
+def draft_bytes_per_block(draft: torch.nn.Module, config: EngineConfig) -> int:
+    """KV bytes of one block of the draft's cache (the target's sizing reserves them)."""
+    from hf_paged.worker.startup import KVCacheSpec
+
+    dtype = next(draft.parameters()).dtype
+    if config.kv_cache_dtype != "auto":
+        dtype = getattr(torch, config.kv_cache_dtype)
+    return KVCacheSpec(draft, config.block_size, dtype).bytes_per_block
+
+
+def _draft_row(rid: str, target_ib, row: int, known: int) -> NewRequestData:
+    state = target_ib.sampling[row]
+    return NewRequestData(
+        req_id=rid,
+        token_ids=target_ib.token_ids[row, :known].tolist(),
+        num_prompt_tokens=state.num_prompt_tokens,
+        sampling_params=_GREEDY,
+        generator=None,
+        stop_token_ids=frozenset(),
+        banned_token_ids=[],
+        bad_word_prefixes=[],
+        max_total_tokens=int(target_ib.max_total[row]),
+    )

@@ -1,0 +1,380 @@
+"""Speculative decoding (hf_paged/spec_decode): the output is the target's, whatever proposes.
+
+Greedy: token-identical to the same engine without speculation and to transformers' generate,
+with a draft model (equal to the target, unrelated, adversarial) and with prompt lookup, under
+chunked prefill, preemption and prefix-cache hits. Sampling: the rejection sampler's tokens
+follow the target's distribution (chi-square), and the test catches a broken acceptance rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hf_paged
+from hf_paged import Engine, SamplingParams
+from hf_paged.spec_decode import rejection_sampler
+from hf_paged.spec_decode.ngram import propose_ngram
+from hf_paged.spec_decode.policy import SpecPolicy
+
+FIXED = dict(speculative_policy="fixed", num_speculative_tokens=3)
+
+
+def _prompts(lengths, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _repetitive(n, period=5, start=10):
+    return [start + i % period for i in range(n)]
+
+
+def _outputs(engine, prompts, params):
+    outs = engine.generate(prompts, params)
+    engine.check_invariants()
+    return [o.output_token_ids for o in outs], outs
+
+
+def _reference(model, prompts, max_tokens, **options):
+    engine = Engine(model, **options)
+    try:
+        return _outputs(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+    finally:
+        engine.shutdown()
+
+
+def _negated(model):
+    """A draft that proposes the target's least likely token: every first proposal wrong."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.neg_()
+    return model
+
+
+# -- prompt lookup ----------------------------------------------------------------------------
+
+
+def test_ngram_proposals_match_transformers_prompt_lookup():
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        length = int(rng.integers(2, 40))
+        tokens = rng.integers(0, 5, length)
+        n, k = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        ref = PromptLookupCandidateGenerator(
+            num_output_tokens=k, max_matching_ngram_size=n, max_length=1000
+        )
+        candidates, _ = ref.get_candidates(torch.tensor(tokens)[None])
+        assert propose_ngram(tokens, n, k) == candidates[0, length:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_prompt_lookup_greedy_identical(arch, tiny_model):
+    model = tiny_model(arch)
+    prompts = _prompts([9, 40, 17]) + [_repetitive(30), _repetitive(50, period=7)]
+    ref = _reference(model, prompts, 24)
+    engine = Engine(model, **FIXED)
+    params = SamplingParams(max_tokens=24, temperature=0, prompt_lookup_num_tokens=3)
+    got, outs = _outputs(engine, prompts, params)
+    assert got == ref
+    assert sum(o.num_spec_proposed for o in outs) > 0
+    assert engine.stats()["spec_num_accepted"] > 0  # the repetitive prompts are looked up
+    engine.shutdown()
+
+
+def test_prompt_lookup_through_generate_matches_transformers(tiny_model, batch_factory):
+    model = tiny_model("llama")
+    ids, mask = batch_factory([12, 30, 5])
+    ids[1, -20:] = torch.tensor(_repetitive(20))
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    hf_paged.patch(model, **FIXED)
+    try:
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=20,
+            prompt_lookup_num_tokens=4,
+        )
+        engine = hf_paged.get_engine(model)
+        assert engine.stats()["spec_num_proposed"] > 0
+    finally:
+        hf_paged.unpatch(model)
+    assert torch.equal(out, ref)
+
+
+# -- draft models ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target_arch,draft_arch", [("llama", "llama"), ("qwen2", "gemma2"), ("phi3", "olmo2")]
+)
+def test_draft_greedy_identical_mixed_lengths(target_arch, draft_arch, tiny_model):
+    target = tiny_model(target_arch)
+    prompts = _prompts([1, 9, 40, 17, 70])
+    ref = _reference(target, prompts, 20)
+    engine = Engine(target, draft_model=tiny_model(draft_arch, seed=3), **FIXED)
+    got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=20, temperature=0))
+    assert got == ref
+    assert engine.stats()["spec_num_proposed"] > 0
+    engine.shutdown()
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_model):
+    target = tiny_model("llama")
+    prompts = _prompts([9, 33, 17])
+    ref = _reference(target, prompts, 21)
+    engine = Engine(target, draft_model=tiny_model("llama"), **FIXED)
+    got, outs = _outputs(engine, prompts, SamplingParams(max_tokens=21, temperature=0))
+    assert got == ref
+    for o in outs:
+        assert o.num_spec_proposed > 0 and o.spec_acceptance_rate == 1.0
+    stats = engine.stats()
+    assert stats["spec_acceptance_rate"] == 1.0
+    assert stats["spec_mean_accepted_length"] > 3.5  # k = 3, less where few tokens are left
+    engine.shutdown()
+
+
+def test_adversarial_draft_still_identical(tiny_model):
+    target = tiny_model("llama")
+    prompts = _prompts([9, 33, 17, 4])
+    ref = _reference(target, prompts, 16)
+    engine = Engine(target, draft_model=_negated(tiny_model("llama")), **FIXED)
+    got, outs = _outputs(engine, prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert got == ref
+    assert all(o.num_spec_proposed > 0 and o.num_spec_accepted == 0 for o in outs)
+    engine.shutdown()
+
+
+def test_draft_under_chunked_prefill_preemption_and_prefix_hits(tiny_model):
+    target = tiny_model("llama")
+    shared = _prompts([48], seed=9)[0]
+    prompts = [shared + p for p in _prompts([5, 20, 11, 30], seed=4)] + _prompts([60, 3])
+    options = dict(max_num_batched_tokens=32, num_blocks=24, block_size=8)
+    ref = _reference(target, prompts, 24, **options)
+    engine = Engine(target, draft_model=tiny_model("llama", seed=1), **FIXED, **options)
+    got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
+    stats = engine.stats()
+    engine.shutdown()
+    assert got == ref
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0, stats
+    assert stats["spec_num_proposed"] > 0, stats
+
+
+def test_draft_with_assistant_model_in_generate(tiny_model, batch_factory):
+    target, draft = tiny_model("llama"), tiny_model("llama")
+    ids, mask = batch_factory([12, 30, 5])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    hf_paged.patch(target, draft_model=draft, **FIXED)
+    try:
+        out = target.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=16,
+            assistant_model=draft,
+        )
+        assert hf_paged.get_engine(target).stats()["spec_acceptance_rate"] == 1.0
+        with pytest.raises(ValueError, match="assistant_model"):
+            target.generate(input_ids=ids, assistant_model=tiny_model("llama"))
+        with pytest.raises(ValueError, match="beam"):
+            target.generate(input_ids=ids, num_beams=2, assistant_model=draft)
+    finally:
+        hf_paged.unpatch(target)
+    assert torch.equal(out, ref)
+    # the draft goes back as it came: its own attention, unfused projections
+    assert draft.config._attn_implementation != "hf_paged"
+
+
+def test_stops_inside_an_accepted_run_cut_it(tiny_model):
+    target = tiny_model("llama")
+    prompts = _prompts([9, 33])
+    ref = _reference(target, prompts, 20)
+    stop = ref[0][5]  # the 6th token of the first prompt ends it (as a stop id)
+    engine = Engine(target, draft_model=tiny_model("llama"), **FIXED)
+    params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop])
+    got, _ = _outputs(engine, prompts, params)
+    for r, g in zip(ref, got):
+        end = r.index(stop) + 1 if stop in r else len(r)
+        assert g == r[:end]
+    got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=7, temperature=0))
+    assert got == [r[:7] for r in ref]  # the length limit inside a run
+    engine.shutdown()
+
+
+def test_stop_string_inside_an_accepted_run(tiny_model):
+    from hf_paged.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = tiny_model("llama")
+    prompts = _prompts([9, 33])
+    ref = _reference(target, prompts, 20)
+    text = tok.decode(ref[0][4:6])  # a stop string the first request meets at its 6th token
+    engine = Engine(target, tok, draft_model=tiny_model("llama"), **FIXED)
+    plain = Engine(target, tok)
+    params = SamplingParams(max_tokens=20, temperature=0, stop_strings=[text])
+    got, _ = _outputs(engine, prompts, params)
+    expected, _ = _outputs(plain, prompts, params)
+    engine.shutdown()
+    plain.shutdown()
+    assert got == expected and len(got[0]) <= 6
+
+
+def test_aborts_and_history_options_leave_no_blocks(tiny_model):
+    target = tiny_model("llama")
+    engine = Engine(target, draft_model=tiny_model("llama"), **FIXED)
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=30, temperature=0))
+        for p in _prompts([5, 9, 14])
+    ]
+    # a request whose sampling reads its history decodes one token a step beside the others
+    penalised = engine.add_request(
+        _prompts([7])[0], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3)
+    )
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[1])
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    engine.check_invariants()
+    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
+    assert outs[penalised].num_spec_proposed == 0 and outs[ids[0]].num_spec_proposed > 0
+    engine.shutdown()
+
+
+# -- sampling: the rejection sampler draws from the target's distribution ---------------------
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's statistic over tokens with an expected count of at least 5 (the rest pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum() - 1)
+
+
+def _critical(dof: int) -> float:
+    """A chi-square critical value at about p = 0.001 (Wilson-Hilferty); one category: 0."""
+    if dof < 1:
+        return 1e-9
+    z = 3.09
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def _rows(params, n):
+    from hf_paged.sample.metadata import SamplingRow
+
+    row = SamplingRow("r", params, None, [1, 2, 3], 3)
+    return [row] * n
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=6),
+    ],
+)
+def test_rejection_sampling_matches_target_distribution(params):
+    torch.manual_seed(0)
+    vocab, n = 12, 20000
+    logits = torch.randn(3, vocab) * 1.5  # the target's rows at the last token, d1, d2
+    from hf_paged.sample.logits_processing import apply_warpers
+
+    warped = apply_warpers(logits.clone(), _rows(params, 3), [0, 1, 2])
+    p = warped.softmax(-1).numpy()
+    proposals = [int(p[0].argmax()), int(p[1].argsort()[-2])]  # likely, and less likely
+    out = rejection_sampler.verify(logits.repeat(n, 1), _rows(params, n), [proposals] * n)
+    first = np.bincount([o[0] for o in out], minlength=vocab)
+    assert first[p[0] == 0].sum() == 0  # nothing the warpers removed
+    stat, dof = _chi_square(first, p[0])
+    assert stat < _critical(dof), (stat, dof)
+    second = np.bincount([o[1] for o in out if o[0] == proposals[0]], minlength=vocab)
+    assert second.sum() > 500 and second[p[1] == 0].sum() == 0  # given d1 was accepted
+    stat, dof = _chi_square(second, p[1])
+    assert stat < _critical(dof), (stat, dof)
+
+
+def test_broken_acceptance_rule_is_caught(monkeypatch):
+    torch.manual_seed(0)
+    vocab, n = 12, 20000
+    logits = torch.randn(3, vocab) * 1.5
+    params = SamplingParams(temperature=1.0)
+    real = rejection_sampler._uniforms
+    # accept with min(1, 2 p(d)) instead of p(d): proposals win too often
+    monkeypatch.setattr(rejection_sampler, "_uniforms", lambda *a: [u / 2 for u in real(*a)])
+    out = rejection_sampler.verify(logits.repeat(n, 1), _rows(params, n), [[3, 7]] * n)
+    first = np.bincount([o[0] for o in out], minlength=vocab)
+    stat, dof = _chi_square(first, logits[0].softmax(-1).numpy())
+    assert stat > _critical(dof)
+
+
+def test_engine_sampling_distribution_unchanged_by_speculation(tiny_model):
+    """The third generated token's distribution over many requests, with a draft equal to the
+    target (most tokens come from accepted proposals) and without: a two-sample chi-square."""
+    target = tiny_model("llama")
+    prompt = _prompts([6], seed=2)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.4, ignore_eos=True)
+    n = 1200
+
+    def third_tokens(**options):
+        engine = Engine(target, **options)
+        outs = engine.generate([prompt] * n, params)
+        stats = engine.stats()
+        engine.shutdown()
+        return np.bincount([o.output_token_ids[2] for o in outs], minlength=256), stats
+
+    plain, _ = third_tokens()
+    spec, stats = third_tokens(draft_model=tiny_model("llama"), **FIXED)
+    assert stats["spec_num_accepted"] > n / 4, stats  # many tokens were accepted proposals
+    both = plain + spec
+    keep = both >= 10
+    a = np.append(plain[keep], plain[~keep].sum())
+    b = np.append(spec[keep], spec[~keep].sum())
+    total = a + b
+    exp_a, exp_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    ok = total > 0
+    stat = (((a - exp_a) ** 2 / exp_a)[ok] + ((b - exp_b) ** 2 / exp_b)[ok]).sum()
+    assert stat < _critical(int(ok.sum()) - 1), stat
+
+
+# -- options and refusals ----------------------------------------------------------------------
+
+
+def test_bad_speculation_options_are_refused(tiny_model):
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(target, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_policy"):
+        Engine(target, speculative_policy="always")
+    with pytest.raises(ValueError, match="draft_model"):
+        Engine(target, draft_model="tiny-llama")
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(target, draft_model=tiny_model("llama", vocab_size=300))
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        SamplingParams(prompt_lookup_num_tokens=-1)
+    engine = Engine(target, draft_model=tiny_model("llama"))
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        engine.add_request([5, 6, 7], SamplingParams(prompt_lookup_num_tokens=2))
+    engine.check_invariants()
+    engine.shutdown()
+
+
+def test_policy_speculates_at_small_batches_only():
+    policy = SpecPolicy(5, draft_ratio=0.14, bytes_per_param=2)
+    assert policy.best_k(1, 0.8) >= 3
+    assert policy.best_k(256, 0.8) == 0
+    assert policy.best_k(1, 0.05) == 0
+    for _ in range(50):  # an always-wrong proposer turns speculation off...
+        policy.record(5, 0, 1)
+    assert policy.choose(1) == 0
+    probes = sum(policy.choose(1) for _ in range(policy.probe_every))
+    assert probes == 1  # ...but measures again now and then
