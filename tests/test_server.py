@@ -5,6 +5,8 @@ errors, and no request or KV block left behind by any of it."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import sys
 import time
 
@@ -68,6 +70,20 @@ def nothing_left(served):
     engine.check_invariants()
     assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
     assert front.alive
+
+
+def raw(server, method: str, path: str, body: bytes | None = None, auth: bool = True):
+    """A raw request (bodies the openai client would never send): (status, body bytes)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = f"Bearer {KEY}"
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
 
 
 def offline_texts(engine, prompts, params) -> list[str]:
@@ -208,14 +224,12 @@ def test_logprobs(client):
 
 def test_models_health_metrics(served, client):
     engine, server, _ = served
-    import httpx2 as httpx  # what the openai client is built on
-
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
-    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert raw(server, "GET", "/health", auth=False)[0] == 200  # no key needed
+    assert raw(server, "GET", "/metrics", auth=False)[0] == 401
     client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    text = raw(server, "GET", "/metrics")[1].decode()
     for name in (
         "hf_paged:num_requests_running",
         "hf_paged:num_requests_waiting",
@@ -230,8 +244,6 @@ def test_models_health_metrics(served, client):
 
 
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(served, client):
-    import httpx2 as httpx
-
     _, server, _ = served
     bad = [
         # (kwargs, exception, param)
@@ -261,14 +273,13 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(served, client):
     with pytest.raises(openai.AuthenticationError) as info:
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    r = httpx.post(server.url + "/v1/completions", content=b'{"model": ', headers=headers)
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    status, body = raw(server, "POST", "/v1/completions", b'{"model": ')
+    assert status == 400 and "JSON" in json.loads(body)["error"]["message"]
     big = b'{"model": "tiny-llama", "prompt": "' + b"a" * (5 << 20) + b'"}'
-    r = httpx.post(server.url + "/v1/completions", content=big, headers=headers)
-    assert r.status_code == 413 and r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/nothing", json={}, headers=headers)
-    assert r.status_code == 404 and "error" in r.json()
+    status, body = raw(server, "POST", "/v1/completions", big)
+    assert status == 413 and json.loads(body)["error"]["message"]
+    status, body = raw(server, "POST", "/v1/nothing", b"{}")
+    assert status == 404 and "error" in json.loads(body)
     # null and "off" values of unsupported fields ask for nothing: accepted
     ok = client.completions.create(
         model=MODEL, prompt="hello", max_tokens=3, extra_body={"logit_bias": None, "echo": False}
