@@ -147,6 +147,13 @@ def cmd_serve_bench(args, save) -> int:
         tokenizer = loaded.tokenizer or placeholder_tokenizer(model.config.vocab_size)
         wl_tokenizer = loaded
     cpu = next(model.parameters()).device.type == "cpu"
+    if cpu:
+        import torch
+
+        # One intra-op thread on both sides: on a busy 2-core machine two threads make every
+        # small op wait for a core, and the engine loop thread and the main thread do not get
+        # the same thread count, which made the offline side up to 10x slower than the server.
+        torch.set_num_threads(1)
     cfg = model.config
     rows, results = [], []
     for name in names:
