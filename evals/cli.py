@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage."""
+coverage, serve-bench."""
 
 from __future__ import annotations
 
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     plots = sub.add_parser("plots", help="PNG plots from throughput results JSON")
     plots.add_argument("files", nargs="+")
     plots.add_argument("--out", default=str(RESULTS_DIR))
+
+    from .serve_bench import add_parser as add_serve_bench
+
+    add_serve_bench(sub, _common)
 
     cov = sub.add_parser(
         "coverage",
@@ -443,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "coverage":
             return cmd_coverage(args)
+        if args.command == "serve-bench":
+            from .serve_bench import cmd_serve_bench
+
+            return cmd_serve_bench(args, _save)
         from . import plots
 
         for path in args.files:

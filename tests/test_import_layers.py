@@ -8,6 +8,7 @@ or inside a function. Layers, low to high:
       other; the sampler imports nothing from core, the runner only core/outputs.py)
     < engine
     < generation
+    < entrypoints (the HTTP server)
     < top (hf_paged/__init__.py, hf_paged.testing)
 
 An existing import that breaks the order sits in KNOWN with the reason and the step that removes
@@ -27,8 +28,16 @@ ROOTS = {
     "integrations": "hf_paged.integrations",
 }
 
-BASE, CORE, WORKER, ENGINE, GENERATION, TOP = range(6)
-LAYER_NAMES = ["base", "core", "sample/worker/kernels/integrations", "engine", "generation", "top"]
+BASE, CORE, WORKER, ENGINE, GENERATION, ENTRYPOINTS, TOP = range(7)
+LAYER_NAMES = [
+    "base",
+    "core",
+    "sample/worker/kernels/integrations",
+    "engine",
+    "generation",
+    "entrypoints",
+    "top",
+]
 LAYERS = {  # longest prefix wins
     "hf_paged": TOP,
     "hf_paged.testing": TOP,
@@ -45,6 +54,7 @@ LAYERS = {  # longest prefix wins
     "hf_paged.spec_decode": WORKER,
     "hf_paged.engine": ENGINE,
     "hf_paged.generation": GENERATION,
+    "hf_paged.entrypoints": ENTRYPOINTS,
 }
 
 # (importer, imported) -> why it is there and which step removes it. Only shrinks.

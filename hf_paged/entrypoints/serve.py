@@ -1,0 +1,137 @@
+"""`hf-paged serve MODEL_OR_PATH` (or `python -m hf_paged.entrypoints.serve MODEL_OR_PATH`):
+load with transformers, build an Engine, serve the OpenAI API on 127.0.0.1:8000 by default."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import os
+import sys
+
+from hf_paged.config import EngineConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _engine_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value  # a bare word: a string option (attention_backend=torch)
+    return key.strip(), parsed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__)
+    p.add_argument("model", help="a local folder or a hub id (AutoModelForCausalLM)")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HF_PAGED_API_KEY"),
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(default: $HF_PAGED_API_KEY; none: no key)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: model)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--device-map", default=None, help="transformers' device_map (cuda, auto...)")
+    p.add_argument(
+        "--quantization",
+        choices=("bnb-4bit", "bnb-8bit"),
+        default=None,
+        help="load with bitsandbytes",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="sequences waiting beyond max-num-seqs before requests get 429",
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument(
+        "--engine-option",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="any Engine option (hf_paged.config.EngineConfig), e.g. num_blocks=4096, "
+        "compile=False; repeatable",
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def engine_options(args) -> dict:
+    options = dict(args.engine_option)
+    for key in ("max_num_seqs", "max_model_len"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    EngineConfig.from_options(**options)  # bad options fail before minutes of loading
+    return options
+
+
+def load(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if args.dtype != "auto":
+        kwargs["dtype"] = getattr(torch, args.dtype)
+    elif not torch.cuda.is_available():
+        kwargs["dtype"] = torch.float32
+    if args.device_map is not None:
+        kwargs["device_map"] = args.device_map
+    elif torch.cuda.is_available():
+        kwargs["device_map"] = "cuda"
+    if args.quantization is not None:
+        from transformers import BitsAndBytesConfig
+
+        four = args.quantization == "bnb-4bit"
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=four, load_in_8bit=not four)
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # `hf-paged serve MODEL`
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from hf_paged.engine.engine import Engine
+        from hf_paged.entrypoints.api_server import build_app
+    except ImportError as exc:
+        print(f"error: serving needs `pip install hf_paged[serve]` ({exc})", file=sys.stderr)
+        return 2
+    try:
+        options = engine_options(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model, tokenizer = load(args)
+    engine = Engine(model, tokenizer, **options)
+    gc.freeze()  # the model's heap lives as long as the server: no collection scans it
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_queued=args.max_queued,
+        max_body_bytes=args.max_body_bytes,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""POST /v1/completions: one run, returned whole or streamed as SSE chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from hf_paged.entrypoints.protocol import CompletionRequest
+from hf_paged.entrypoints.serving import SSE_DONE, OpenAIServing, sse
+
+
+class CompletionRun:
+    """Validates and submits in the constructor (an APIError before any response starts)."""
+
+    def __init__(self, serving: OpenAIServing, body: CompletionRequest) -> None:
+        self.serving, self.body = serving, body
+        self.prompts = serving.completion_prompts(body)
+        params = serving.params(body, self.prompts, body.max_tokens, body.logprobs)
+        self.want_logprobs = body.logprobs is not None
+        self.handle = serving.submit(self.prompts, params)
+        self.choices = serving._choices(self.handle, body.stop)
+        self.base = {**serving.head("cmpl"), "object": "text_completion"}
+
+    def close(self) -> None:
+        self.handle.close()
+
+    async def full(self) -> dict:
+        s, choices = self.serving, self.choices
+        await s.run_full(self.handle, choices, self.want_logprobs)
+        texts = s.finish_texts(choices, self.body.stop)
+        return {
+            **self.base,
+            "choices": [
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": (
+                        s.completion_logprobs(c.logprobs, c) if self.want_logprobs else None
+                    ),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, (c, text) in enumerate(zip(choices, texts))
+            ],
+            "usage": s.usage(self.prompts, choices),
+        }
+
+    async def chunks(self) -> AsyncIterator[str]:
+        s, choices, base = self.serving, self.choices, self.base
+        async for outs in s._outputs(self.handle):
+            events = []
+            for out in outs:
+                i, piece = s._take(self.handle, choices, out, self.want_logprobs)
+                c = choices[i]
+                if piece is None or (not piece and c.finish_reason is None and not c.logprobs):
+                    continue
+                logprobs = None
+                if self.want_logprobs:
+                    logprobs = s.completion_logprobs(c.logprobs, c)
+                    c.logprobs = []
+                choice = {
+                    "index": i,
+                    "text": piece,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+                events.append(sse({**base, "choices": [choice]}))
+            if events:
+                yield "".join(events)
+        if self.body.include_usage:
+            yield sse({**base, "choices": [], "usage": s.usage(self.prompts, choices)})
+        yield SSE_DONE

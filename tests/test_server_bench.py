@@ -1,0 +1,35 @@
+"""`evals/run.py serve-bench`: the load generator runs end to end on a tiny model, server and
+offline engine side by side, and every request's tokens reach the clients."""
+
+from __future__ import annotations
+
+import json
+
+from hf_paged.testing import load_evals
+
+run = load_evals()
+
+
+def test_serve_bench_tiny(tmp_path, capsys):
+    argv = ["serve-bench", "--model", "tiny", "--dataset", "synthetic,batch1", "--limit", "6"]
+    argv += ["--max-new-tokens", "5", "--clients", "4", "--out", str(tmp_path), "--no-progress"]
+    assert run.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "server / offline" in out
+    (path,) = tmp_path.glob("serve-bench-*.json")
+    results = json.loads(path.read_text())["results"]
+    assert [r["clients"] for r in results] == [4, 1]  # batch1 runs one client
+    for r in results:
+        runs = {m["backend"]: m for m in r["metrics"]}
+        assert set(runs) == {"offline", "server"}
+        for m in runs.values():
+            assert m["num_requests"] == 6
+            assert m["output_tok_s"] > 0 and m["ttft_p50_ms"] > 0
+        server = next(m for m in r["metrics"] if m["backend"] == "server")
+        assert server["extra"]["engine_stats"]["num_running"] == 0
+
+
+def test_serve_bench_bad_engine_option(tmp_path, capsys):
+    argv = ["serve-bench", "--model", "tiny", "--engine-option", "nonsense", "--out", str(tmp_path)]
+    assert run.main(argv) == 2
+    assert "--engine-option" in capsys.readouterr().err
