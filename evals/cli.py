@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench."""
+coverage, serve-bench, spec."""
 
 from __future__ import annotations
 
@@ -160,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     plots.add_argument("--out", default=str(RESULTS_DIR))
 
     from .serve_bench import add_parser as add_serve_bench
+    from .spec_bench import add_parser as add_spec_bench
 
     add_serve_bench(sub, _common)
+    add_spec_bench(sub, _common)
 
     cov = sub.add_parser(
         "coverage",
@@ -451,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
             from .serve_bench import cmd_serve_bench
 
             return cmd_serve_bench(args, _save)
+        if args.command == "spec":
+            from .spec_bench import cmd_spec
+
+            return cmd_spec(args, _save)
         from . import plots
 
         for path in args.files:

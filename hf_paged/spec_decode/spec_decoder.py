@@ -81,6 +81,8 @@ class SpecDecoder:
         rows = step.rows[sample_idx].tolist()
         if self.draft is not None:
             k = self.policy.choose(len(rows))
+            if k == 0:  # no draft forward at all: its KV catches up when speculation resumes
+                return None
             limits = {}
             for i, row in zip(sample_idx.tolist(), rows):
                 if eligible(ib.sampling[row]):

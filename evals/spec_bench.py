@@ -1,0 +1,304 @@
+"""`run.py spec`: speculative decoding against the same engine without it, in one invocation.
+
+Two workloads:
+- `--draft SHAPE` (GPU): a target and a draft model with random weights at real shapes. Random
+  weights never agree, so the acceptance is controlled: the draft runs its real forwards at full
+  cost, then each proposal is replaced, with probability alpha, by the target's own greedy
+  continuation (taken from the non-speculative run of the same prompts), so a proposal is
+  accepted with probability about alpha. The measured acceptance is printed next to alpha (the
+  target's bf16 greedy tokens can differ slightly between batch shapes, so it comes out a little
+  below). Per batch size: the engine without speculation (the same Engine with k forced to 0: its
+  async scheduling and graphs as usual), then with speculation at each alpha, k chosen by the
+  engine; and transformers' assisted generate (assistant_model=) and plain generate at batch 1.
+- `--prompt-lookup K` (CPU or GPU, real weights): SmolLM2-135M-Instruct repeats passages of
+  Shakespeare given in its prompt (an input-grounded task, as code editing is), with and
+  without prompt lookup; real acceptance, speedup, and a check that the tokens are identical.
+
+Every request is greedy with EOS ignored; throughput is output tokens / wall time, all requests
+submitted at once. The bound is bytes / 4.2 TB/s per decode step at batch 1 (the target's
+weights), printed as tok/s.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import torch
+
+from .errors import EvalError
+from .roofline import detect_hardware
+
+PASSAGE_WORDS = 70
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("spec", help="speculative decoding vs the same engine without it")
+    common(p, "auto", "auto")
+    p.add_argument("--draft", default=None, help="draft model shape (e.g. tinyllama-1.1b)")
+    p.add_argument("--prompt-lookup", type=int, default=None, help="prompt lookup: tokens")
+    p.add_argument("--batch-sizes", default="1,8,32,128", help="comma list")
+    p.add_argument("--alphas", default="0.5,0.7,0.9", help="controlled acceptance, comma list")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128, help="draft workload prompt tokens")
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+
+
+def cmd_spec(args, save) -> int:
+    if (args.draft is None) == (args.prompt_lookup is None):
+        raise EvalError("spec: give --draft SHAPE or --prompt-lookup K")
+    table, payload = _run_draft(args) if args.draft else _run_prompt_lookup(args)
+    print(table)
+    path = save(args.out, f"spec-{time.strftime('%Y%m%d-%H%M%S')}", payload, table)
+    print(f"\nresults: {path}")
+    return 0
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_run(engine, prompts, params, ids):
+    """All prompts at once; returns (outputs by id, seconds, spec stats delta)."""
+    before = engine.stats()
+    _sync(engine.runner.device)
+    t0 = time.perf_counter()
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(prompt, params, request_id=rid)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.output_token_ids
+    _sync(engine.runner.device)
+    seconds = time.perf_counter() - t0
+    after = engine.stats()
+    delta = {k: after[k] - before[k] for k in ("spec_num_proposed", "spec_num_accepted")}
+    delta["verify_steps"] = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
+    return outs, seconds, delta
+
+
+class ControlledAcceptance:
+    """Each proposal of the engine's draft, after its real forwards, is replaced with
+    probability alpha by the target's greedy token at that position (refs: request id ->
+    the target's greedy output). Benchmark-only: the draft's own KV then describes tokens that
+    were not proposed, which costs nothing here (its proposals are replaced or wrong anyway)."""
+
+    def __init__(self, engine, refs: dict, prompt_lens: dict, alpha: float, seed: int) -> None:
+        self.proposer = engine.runner.spec.draft
+        self.real = self.proposer.propose
+        self.refs, self.prompt_lens, self.alpha = refs, prompt_lens, alpha
+        self.rng = random.Random(seed)
+
+    def __enter__(self):
+        def propose(batch, step, target_ib, accepted, limits):
+            out = self.real(batch, step, target_ib, accepted, limits)
+            for rid, tokens in out.items():
+                ref = self.refs[rid]
+                base = int(target_ib.num_known[target_ib.req_to_row[rid]]) - self.prompt_lens[rid]
+                for j in range(len(tokens)):
+                    if base + j < len(ref) and self.rng.random() < self.alpha:
+                        tokens[j] = ref[base + j]
+            return out
+
+        self.proposer.propose = propose
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proposer.propose = self.real
+
+
+def _run_draft(args):
+    import hf_paged
+    from hf_paged import SamplingParams
+
+    from .models import describe, load_model
+
+    target = load_model(args.model, args.dtype, args.device)
+    draft = load_model(args.draft, args.dtype, args.device)
+    device = next(target.model.parameters()).device
+    hw = detect_hardware(device)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    alphas = [float(a) for a in args.alphas.split(",")]
+    vocab = min(target.model.config.vocab_size, draft.model.config.vocab_size)
+    rng = random.Random(args.seed)
+    max_b = max(sizes)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(max_b)]
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
+    total = args.prompt_len + args.max_new_tokens + args.num_speculative_tokens
+    blocks = max_b * (-(-total // 16) + 1) + 64
+    t0 = time.perf_counter()
+    engine = hf_paged.Engine(
+        target.model,
+        draft_model=draft.model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_num_seqs=max_b,
+        num_blocks=blocks,
+        max_model_len=total + 16,
+    )
+    startup = time.perf_counter() - t0
+    policy = engine.runner.spec.policy
+    k_max = policy.max_k
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    bound_b1 = hw.bandwidth / weight_bytes if hw.known else None
+    engine.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    rows = []
+    for b in sizes:
+        ids = [f"b{b}-{i}" for i in range(b)]
+        policy.max_k = 0  # speculation off: the engine as it runs without a draft
+        _timed_run(engine, prompts[:b], params, [f"w{i}" for i in ids])  # warm-up
+        engine.reset_prefix_cache()
+        refs, secs, _ = _timed_run(engine, prompts[:b], params, ids)
+        base = b * args.max_new_tokens / secs
+        row = {"batch": b, "off_tok_s": base, "runs": []}
+        policy.max_k = k_max
+        for alpha in alphas:
+            ref_by_id = {f"a{alpha}-{rid}": refs[rid] for rid in ids}
+            lens = {rid: args.prompt_len for rid in ref_by_id}
+            engine.reset_prefix_cache()
+            with ControlledAcceptance(engine, ref_by_id, lens, alpha, args.seed):
+                outs, secs, d = _timed_run(engine, prompts[:b], params, list(ref_by_id))
+            tok_s = b * args.max_new_tokens / secs
+            acc = d["spec_num_accepted"] / d["spec_num_proposed"] if d["spec_num_proposed"] else 0
+            same = sum(outs[r] == ref_by_id[r] for r in ref_by_id)
+            row["runs"].append(
+                {"alpha": alpha, "tok_s": tok_s, "ratio": tok_s / base, "acceptance": acc,
+                 "proposed": d["spec_num_proposed"], "verify_steps": d["verify_steps"],
+                 "same_tokens": same}
+            )  # fmt: skip
+        rows.append(row)
+        print(_draft_table(rows[-1:], alphas), flush=True)
+    engine.shutdown()
+    hf = {} if args.no_hf else _hf_batch1(target.model, draft.model, prompts[0], args)
+    head = [
+        "## speculative decoding: draft model, controlled acceptance",
+        "",
+        f"- target: {describe(target)}",
+        f"- draft: {describe(draft)}",
+        f"- hardware: {hw.name}; start-up {startup:.1f} s (target + draft)",
+        f"- workload: B requests of {args.prompt_len} random tokens, {args.max_new_tokens} new "
+        f"tokens each, greedy, EOS ignored; k chosen by the engine (max {k_max})",
+    ]
+    if bound_b1:
+        head.append(f"- bound at batch 1 (target weights / 4.2 TB/s): {bound_b1:,.0f} tok/s")
+    if hf:
+        head.append(
+            f"- transformers batch 1: generate {hf['generate']:,.1f} tok/s, assisted generate "
+            f"(assistant_model=draft, random weights: ~no acceptance) {hf['assisted']:,.1f} tok/s"
+        )
+    table = "\n".join(head) + "\n\n" + _draft_table(rows, alphas)
+    payload = {"argv": sys.argv, "startup_s": startup, "rows": rows, "hf_batch1": hf}
+    return table, payload
+
+
+def _draft_table(rows, alphas) -> str:
+    cols = ["batch", "no spec tok/s"]
+    for a in alphas:
+        cols += [f"a={a} tok/s", "x", "acc", "k/step"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        cells = [str(r["batch"]), f"{r['off_tok_s']:,.0f}"]
+        for run in r["runs"]:
+            k = run["proposed"] / max(run["verify_steps"], 1) / max(r["batch"], 1)
+            cells += [f"{run['tok_s']:,.0f}", f"{run['ratio']:.2f}", f"{run['acceptance']:.2f}"]
+            cells += [f"{k:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _hf_batch1(model, draft, prompt, args) -> dict:
+    """transformers' own generate, plain and assisted, at batch 1 (the engine is shut down)."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    out = {}
+    for name, extra in (("generate", {}), ("assisted", {"assistant_model": draft})):
+        kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens)
+        model.generate(ids, do_sample=False, max_new_tokens=8, **extra)  # warm-up
+        _sync(ids.device)
+        t0 = time.perf_counter()
+        model.generate(ids, do_sample=False, **kwargs, **extra)
+        _sync(ids.device)
+        out[name] = args.max_new_tokens / (time.perf_counter() - t0)
+    return out
+
+
+def _passages(n: int, seed: int) -> list[str]:
+    from .sources import shakespeare_jsonl
+
+    rng = random.Random(seed)
+    import json
+
+    texts = [json.loads(line)["text"] for line in shakespeare_jsonl().open()][:20]
+    out = []
+    while len(out) < n:
+        words = rng.choice(texts).split()
+        start = rng.randrange(2000, max(2001, len(words) - PASSAGE_WORDS))
+        out.append(" ".join(words[start : start + PASSAGE_WORDS]))
+    return out
+
+
+def _run_prompt_lookup(args):
+    import hf_paged
+    from hf_paged import SamplingParams
+
+    from .models import describe, load_model
+
+    loaded = load_model(args.model if args.model != "auto" else "smollm2", args.dtype, args.device)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise EvalError("spec --prompt-lookup needs a model with a tokenizer (real weights)")
+    device = next(loaded.model.parameters()).device
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    passages = _passages(max(sizes), args.seed)
+    prompts = []
+    for p in passages:
+        chat = [{"role": "user", "content": f"Repeat this passage word for word:\n\n{p}"}]
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    engine = hf_paged.Engine(loaded.model, tok, max_num_seqs=max(sizes))
+    rows = []
+    for b in sizes:
+        row = {"batch": b}
+        for k in (0, args.prompt_lookup):
+            params = SamplingParams(
+                max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True,
+                prompt_lookup_num_tokens=k,
+            )  # fmt: skip
+            ids = [f"k{k}-b{b}-{i}" for i in range(b)]
+            _timed_run(engine, prompts[:b], params, [f"w{i}" for i in ids])  # warm-up
+            engine.reset_prefix_cache()
+            outs, secs, d = _timed_run(engine, prompts[:b], params, ids)
+            row[k] = {
+                "tok_s": b * args.max_new_tokens / secs,
+                "acceptance": d["spec_num_accepted"] / max(d["spec_num_proposed"], 1),
+                "tokens": [outs[i] for i in ids],
+            }
+        row["same_tokens"] = row[0]["tokens"] == row[args.prompt_lookup]["tokens"]
+        row["ratio"] = row[args.prompt_lookup]["tok_s"] / row[0]["tok_s"]
+        rows.append(row)
+    engine.shutdown()
+    k = args.prompt_lookup
+    lines = [
+        "## speculative decoding: prompt lookup on real text",
+        "",
+        f"- model: {describe(loaded)}; hardware: {detect_hardware(device).name}",
+        f"- task: repeat a {PASSAGE_WORDS}-word Shakespeare passage given in the prompt "
+        f"(chat template), {args.max_new_tokens} new tokens, greedy, EOS ignored; "
+        f"prompt_lookup_num_tokens={k}, max_matching_ngram_size=2",
+        "",
+        "| batch | no lookup tok/s | lookup tok/s | x | acceptance | same tokens |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r[0]['tok_s']:,.1f} | {r[k]['tok_s']:,.1f} | {r['ratio']:.2f} | "
+            f"{r[k]['acceptance']:.2f} | {r['same_tokens']} |"
+        )
+    for r in rows:
+        for n in (0, k):
+            r[n].pop("tokens")
+    return "\n".join(lines), {"argv": sys.argv, "rows": rows}
