@@ -53,6 +53,19 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 8192,
         "rope_theta": 500000.0,
     },
+    # Llama-3's own small sibling: the target's vocabulary (a draft for the 8B shape)
+    "llama-3.2-1b": _LLAMA
+    | {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
     "qwen2.5-7b": {
         "arch": "qwen2",
         "hidden_size": 3584,

@@ -368,13 +368,43 @@ def test_bad_speculation_options_are_refused(tiny_model):
     engine.shutdown()
 
 
-def test_policy_speculates_at_small_batches_only():
+def test_policy_model_speculates_at_small_batches_only():
     policy = SpecPolicy(5, draft_ratio=0.14, bytes_per_param=2)
     assert policy.best_k(1, 0.8) >= 3
-    assert policy.best_k(256, 0.8) == 0
+    assert policy.best_k(1024, 0.95) == 0
+    assert policy.plan(1024) == 0 and not policy.buckets  # never tried where it cannot pay
     assert policy.best_k(1, 0.05) == 0
-    for _ in range(50):  # an always-wrong proposer turns speculation off...
-        policy.record(5, 0, 1)
-    assert policy.choose(1) == 0
-    probes = sum(policy.choose(1) for _ in range(policy.probe_every))
-    assert probes == 1  # ...but measures again now and then
+    # acceptance per position: 2 requests proposed 4 each, one kept 3 then was rejected, the
+    # other kept all 4: 7 accepted, 1 rejection -> 7/8 per position (7/8 of proposals, too)
+    policy.acceptance = 0.5
+    for _ in range(40):
+        policy.record(8, 7, 2, 1)
+    assert abs(policy.acceptance - 7 / 8) < 0.01
+    for _ in range(400):  # 3 proposals, the first rejected: nothing after it was looked at
+        policy.record(3, 0, 1, 1)
+    assert policy.acceptance < 0.01
+
+
+def test_policy_measures_and_keeps_the_faster_mode():
+    policy = SpecPolicy(4, draft_ratio=0.1, bytes_per_param=2, explore_every=20)
+    modes = []
+    for _ in range(200):
+        k = policy.plan(8)
+        modes.append(k > 0)
+        # speculating steps run at 100 tok/s, plain ones at 150: speculation loses here
+        policy.observe(8, 1.0, 100 if k else 150, speculated=k > 0)
+    assert modes[0]  # the model's first pick at batch 8 is to speculate
+    assert sum(modes[:8]) == 4  # both modes measured
+    assert sum(modes[8:]) <= (len(modes) - 8) // 20 * 4 + 4  # then off, with short trials
+    assert not any(modes[-10:-5]) or not any(modes[-5:])
+
+
+def test_draft_with_a_smaller_vocabulary(tiny_model):
+    """Target tokens past the draft's vocabulary reach the draft as token 0."""
+    target = tiny_model("llama")
+    prompts = _prompts([9, 33, 17])  # ids up to 255: some past the draft's 200
+    ref = _reference(target, prompts, 16)
+    engine = Engine(target, draft_model=tiny_model("llama", vocab_size=200), **FIXED)
+    got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=16, temperature=0))
+    engine.shutdown()
+    assert got == ref

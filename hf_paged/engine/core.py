@@ -8,6 +8,8 @@ or ended go to the output processor. It takes no locks: Engine calls it under it
 
 from __future__ import annotations
 
+import time
+
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -43,6 +45,8 @@ class EngineCore:
         # logits rows from the runner's output and, once it has them all, one beam step
         self.beam_groups: set = set()
         self._inflight = None  # async_scheduling: (SchedulerOutput, PendingOutput) launched
+        self._last_step_end: float | None = None  # when the last step returned outputs
+        self._decode_only = False  # the last scheduled step had no prefill tokens
 
     def release_rows(self) -> None:
         """The runner drops what it holds for requests that left the running set (whatever
@@ -52,12 +56,31 @@ class EngineCore:
             self.runner.release(released)
 
     def step(self) -> list[RequestOutput]:
+        spec = self.runner.spec
+        batch_size = self._batch_size_estimate()
+        spec.plan(batch_size)  # speculate from this step's end on, or not
         if self.config.async_scheduling:
-            return self._step_async()
-        return self._step_sync()
+            outputs = self._step_async()
+        else:
+            outputs = self._step_sync()
+        self._measure(batch_size, outputs, spec.policy.k_next > 0)
+        return outputs
+
+    def _measure(self, batch_size: int, outputs: list[RequestOutput], speculated: bool) -> None:
+        """Decode steps' output rates, with and without speculation, for the policy that
+        turns it on and off (spec_decode/policy.py). A step is timed from the end of the one
+        before; a step with prefill tokens or after an idle call is not counted."""
+        now = time.perf_counter()
+        last, self._last_step_end = self._last_step_end, (now if outputs else None)
+        if last is not None and outputs and self._decode_only:
+            tokens = sum(len(o.new_token_ids) for o in outputs)
+            self.runner.spec.policy.observe(batch_size, now - last, tokens, speculated)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
+        spec = sched.batch.spec_token_ids
+        extra = sum(len(t) for t in spec.values()) if spec else 0
+        self._decode_only = sched.total_num_scheduled_tokens == len(sched) + extra
         used = self.kv.num_blocks - self.kv.get_num_free_blocks()
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         if not sched.requests and sched.batch.released_req_ids:  # no step to carry them
@@ -101,7 +124,7 @@ class EngineCore:
         return (
             not self.beam_groups
             and not self.scheduler.requests.num_sync_only
-            and not self.runner.spec.wants_sync(self._batch_size_estimate())
+            and not self.runner.spec.wants_sync()
         )
 
     def _batch_size_estimate(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from hf_paged.config import EngineConfig
@@ -59,6 +60,7 @@ class DraftProposer:
         from hf_paged.worker.model_runner import ModelRunner
 
         self.model = model
+        self.vocab_size = model.config.get_text_config().vocab_size
         self._lease = enable_paged_attention(model, self)  # given back by shutdown()
         if config.fuse_projections:
             self._lease.fused |= fuse_projections(model) > 0
@@ -97,10 +99,11 @@ class DraftProposer:
             if end <= valid:
                 continue
             if rid not in dib.req_to_row:
-                dib.add(_draft_row(rid, target_ib, row, known))
+                dib.add(_draft_row(rid, target_ib, row, known, self.vocab_size))
             else:
                 drow = dib.req_to_row[rid]
-                dib.token_ids[drow, valid:known] = target_ib.token_ids[row, valid:known]
+                tokens = target_ib.token_ids[row, valid:known]
+                dib.token_ids[drow, valid:known] = _in_vocab(tokens, self.vocab_size)
                 dib.num_known[drow] = known
             catch_up.req_ids.append(rid)
             catch_up.num_computed_tokens.append(valid)
@@ -176,11 +179,18 @@ def draft_bytes_per_block(draft: torch.nn.Module, config: EngineConfig) -> int:
     return KVCacheSpec(draft, config.block_size, dtype).bytes_per_block
 
 
-def _draft_row(rid: str, target_ib, row: int, known: int) -> NewRequestData:
+def _in_vocab(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A draft with a smaller vocabulary than the target's (the same tokenizer, a shorter
+    padded embedding, as Qwen2.5's 0.5B against its 7B) sees target tokens past its vocabulary
+    as token 0: they only make its proposals worse, never the output."""
+    return np.where(tokens < vocab_size, tokens, 0)
+
+
+def _draft_row(rid: str, target_ib, row: int, known: int, vocab_size: int) -> NewRequestData:
     state = target_ib.sampling[row]
     return NewRequestData(
         req_id=rid,
-        token_ids=target_ib.token_ids[row, :known].tolist(),
+        token_ids=_in_vocab(target_ib.token_ids[row, :known], vocab_size).tolist(),
         num_prompt_tokens=state.num_prompt_tokens,
         sampling_params=_GREEDY,
         generator=None,

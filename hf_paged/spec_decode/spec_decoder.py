@@ -50,18 +50,19 @@ class SpecDecoder:
             ratio,
             itemsize,
             fixed=config.speculative_policy == "fixed",
+            max_verify_rows=config.max_num_seqs if runner.graphs is not None else None,
         )
         self.max_k = config.num_speculative_tokens
         self.has_proposals = False  # the last step proposed: the next one must be synchronous
 
-    def wants_sync(self, num_running: int) -> bool:
-        """Would the next step speculate (so it must run synchronously: proposals are made
-        from the tokens on the host)? Prompt-lookup requests are synchronous on their own."""
-        if self.has_proposals:  # the next step verifies them
-            return True
-        if self.draft is None or not num_running:
-            return False
-        return self.policy.fixed or self.policy.best_k(num_running, 0.95) > 0
+    def plan(self, batch_size: int) -> None:
+        """Before each step: how many proposals its end makes (the policy's k)."""
+        self.policy.plan(batch_size)
+
+    def wants_sync(self) -> bool:
+        """Must the next step run synchronously (it verifies proposals, or makes some from the
+        tokens on the host)? Prompt-lookup requests are synchronous on their own."""
+        return self.has_proposals or (self.draft is not None and self.policy.k_next > 0)
 
     def propose(
         self,
@@ -80,7 +81,7 @@ class SpecDecoder:
         ib = self.runner.input_batch
         rows = step.rows[sample_idx].tolist()
         if self.draft is not None:
-            k = self.policy.choose(len(rows))
+            k = self.policy.k_next
             if k == 0:  # no draft forward at all: its KV catches up when speculation resumes
                 return None
             limits = {}
@@ -95,7 +96,9 @@ class SpecDecoder:
         ]
         if not lookup:
             return None
-        k = self.policy.choose(len(rows))
+        k = self.policy.k_next
+        if k == 0:
+            return None
         out = {}
         for i, row in lookup:
             params = ib.sampling[row].params
@@ -115,7 +118,9 @@ class SpecDecoder:
 
     def record(self, scheduled: dict[str, list[int]], accepted: dict[str, list[int]]) -> None:
         proposed = sum(len(scheduled[r]) for r in accepted)
-        self.policy.record(proposed, sum(len(run) - 1 for run in accepted.values()), len(accepted))
+        rejections = sum(len(run) - 1 < len(scheduled[r]) for r, run in accepted.items())
+        num_accepted = sum(len(run) - 1 for run in accepted.values())
+        self.policy.record(proposed, num_accepted, len(accepted), rejections)
         if self.draft is not None:
             self.draft.on_verified(scheduled, accepted)
 

@@ -263,6 +263,8 @@ class ModelRunner:
             graphs is not None
             and not kept.logprob_spans  # prompt log-probs keep more rows than a graph holds
             and graphs.token_bucket_for(num_tokens) is not None
+            # verify steps keep k + 1 rows a request: a graph holds max_num_seqs rows
+            and len(kept.keep) <= graphs.max_num_seqs
         ):
             return graphs.run_mixed(step, kept.keep), None, None
         dev = self.device
