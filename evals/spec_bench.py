@@ -168,6 +168,10 @@ def _run_draft(args):
         base = b * args.max_new_tokens / secs
         row = {"batch": b, "off_tok_s": base, "runs": []}
         policy.max_k = k_max
+        # warm-up of the speculative path at this batch size (graphs of verify steps, the
+        # draft's catch-up shapes), outside the clock
+        with ControlledAcceptance(alphas[-1], args.seed, engine.runner.spec.draft):
+            _timed_run(engine, prompts[:b], params, [f"ws{i}" for i in ids])
         for alpha in alphas:
             # each alpha measured afresh: the policy's rates and acceptance start over
             policy.buckets.clear()

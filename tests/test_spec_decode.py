@@ -394,9 +394,10 @@ def test_policy_measures_and_keeps_the_faster_mode():
         # speculating steps run at 100 tok/s, plain ones at 150: speculation loses here
         policy.observe(8, 1.0, 100 if k else 150, speculated=k > 0)
     assert modes[0]  # the model's first pick at batch 8 is to speculate
-    assert sum(modes[:8]) == 4  # both modes measured
-    assert sum(modes[8:]) <= (len(modes) - 8) // 20 * 4 + 4  # then off, with short trials
-    assert not any(modes[-10:-5]) or not any(modes[-5:])
+    assert not all(modes[:12])  # both modes measured (the first step after a switch is not)
+    later = modes[12:]
+    assert sum(later) <= len(later) // 20 * 4 + 4  # then off, with short trials
+    assert any(later)  # the trials happen
 
 
 def test_draft_with_a_smaller_vocabulary(tiny_model):

@@ -49,6 +49,7 @@ class _Bucket:
         self.mode = int(start_on)
         self.trial = 0  # steps left in a trial of the other mode
         self.since_trial = 0
+        self.last_observed = -1  # the mode of the last step observed
 
     def choose(self, explore_every: int) -> int:
         for mode in (self.mode, 1 - self.mode):  # measure both first, the model's pick first
@@ -64,6 +65,12 @@ class _Bucket:
         return self.mode
 
     def observe(self, mode: int, rate: float) -> None:
+        # the first step after a switch is neither mode's: turning speculation on, it verifies
+        # nothing yet and the draft catches up on what it missed; turning it off, it verifies
+        # the last proposals
+        switched, self.last_observed = mode != self.last_observed, mode
+        if switched:
+            return
         if self.count[mode] == 0:
             self.rate[mode] = rate
         else:
