@@ -37,19 +37,24 @@ H200_RIDGE_TOKENS_BF16 = 185.0
 
 
 class _Bucket:
-    """Output rates (tokens/s, moving averages) of decode steps without (0) and with (1)
-    speculation, for one batch-size bucket."""
+    """Output rates of decode steps without (0) and with (1) speculation, for one batch-size
+    bucket: decayed sums of tokens over decayed sums of seconds (a verify step gives anywhere
+    from 1 to k + 1 tokens a request, so a mean of per-step rates would be biased and noisy)."""
 
-    SAMPLES = 4  # steps a mode is measured for before it is compared
-    WEIGHT = 0.25
+    SAMPLES = 6  # steps a mode is measured for before it is compared
+    DECAY = 0.9
 
     def __init__(self, start_on: bool) -> None:
-        self.rate = [0.0, 0.0]
+        self.tokens = [0.0, 0.0]
+        self.seconds = [0.0, 0.0]
         self.count = [0, 0]
         self.mode = int(start_on)
         self.trial = 0  # steps left in a trial of the other mode
         self.since_trial = 0
         self.last_observed = -1  # the mode of the last step observed
+
+    def rate(self, mode: int) -> float:
+        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] else 0.0
 
     def choose(self, explore_every: int) -> int:
         for mode in (self.mode, 1 - self.mode):  # measure both first, the model's pick first
@@ -58,27 +63,26 @@ class _Bucket:
         if self.trial:
             self.trial -= 1
             return 1 - self.mode
-        self.mode = int(self.rate[1] > self.rate[0])
+        self.mode = int(self.rate(1) > self.rate(0))
         self.since_trial += 1
         if self.since_trial >= explore_every:
             self.since_trial, self.trial = 0, self.SAMPLES
         return self.mode
 
-    def observe(self, mode: int, rate: float) -> None:
+    def observe(self, mode: int, tokens: int, seconds: float) -> None:
         # the first step after a switch is neither mode's: turning speculation on, it verifies
         # nothing yet and the draft catches up on what it missed; turning it off, it verifies
         # the last proposals
         switched, self.last_observed = mode != self.last_observed, mode
         if switched:
             return
-        if self.count[mode] == 0:
-            self.rate[mode] = rate
-        else:
-            self.rate[mode] += self.WEIGHT * (rate - self.rate[mode])
+        self.tokens[mode] = self.DECAY * self.tokens[mode] + tokens
+        self.seconds[mode] = self.DECAY * self.seconds[mode] + seconds
         self.count[mode] += 1
 
 
 class SpecPolicy:
+    TRIAL_STEPS = _Bucket.SAMPLES  # steps of a trial of the mode not in use
     def __init__(
         self,
         max_k: int,
@@ -135,7 +139,7 @@ class SpecPolicy:
         """A decode step of batch_size requests gave `tokens` in `seconds` of wall time."""
         bucket = self.buckets.get(self.bucket_of(batch_size))
         if bucket is not None and seconds > 0:
-            bucket.observe(int(speculated), tokens / seconds)
+            bucket.observe(int(speculated), tokens, seconds)
 
     def best_k(self, batch_size: int, acceptance: float) -> int:
         b = float(batch_size)
