@@ -181,6 +181,8 @@ def test_draft_with_assistant_model_in_generate(tiny_model, batch_factory):
             target.generate(input_ids=ids, assistant_model=tiny_model("llama"))
         with pytest.raises(ValueError, match="beam"):
             target.generate(input_ids=ids, num_beams=2, assistant_model=draft)
+        with pytest.raises(ValueError, match="num_assistant_tokens"):  # k is the engine's
+            target.generate(input_ids=ids, assistant_model=draft, num_assistant_tokens=7)
     finally:
         hf_paged.unpatch(target)
     assert torch.equal(out, ref)

@@ -115,8 +115,6 @@ def _check_generation_config(gen: GenerationConfig) -> None:
         same_as += [fresh[key]] if key in fresh else []
         if any(type(value) is type(d) and value == d for d in same_as) or value is False:
             continue
-        if key.startswith("assistant") or key in ("num_assistant_tokens_schedule",):
-            continue  # only read when an assistant model is given, which is refused
         if key in ("epsilon_cutoff", "eta_cutoff", "diversity_penalty") and value == 0.0:
             continue
         if key in ("num_beam_groups",) and value == 1:
