@@ -66,6 +66,13 @@ class EngineConfig:
     # fails, is refused with a ValueError (hf_paged/engine/verify.py). The tiny test models on
     # CPU: 10-23 ms (torch backend); 0.4-2.8 s under the Triton interpreter.
     verify_model: bool = True
+    # Multi-LoRA (a PeftModel, hf_paged/lora): adapters are copied into this many slots of
+    # stacked device buffers on first use; more distinct adapters among live requests than
+    # slots is refused when a request is added (ValueError naming max_loras). docs/lora.md
+    max_loras: int = 8
+    # the largest adapter rank the slots hold (smaller ranks are zero-padded); None: the
+    # largest rank among the model's adapters at start-up
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
@@ -97,6 +104,8 @@ class EngineConfig:
         positive("max_model_len", self.max_model_len)
         positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         positive("max_graph_batch_size", self.max_graph_batch_size)
+        positive("max_loras", self.max_loras if self.max_loras is not None else 0)
+        positive("max_lora_rank", self.max_lora_rank)
         if (
             not isinstance(self.small_batch_rows, int)
             or isinstance(self.small_batch_rows, bool)

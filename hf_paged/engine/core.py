@@ -18,9 +18,13 @@ from hf_paged.worker.model_runner import ModelRunner
 
 
 class EngineCore:
-    def __init__(self, model, config: EngineConfig, lora: bool = False, tokenizer=None) -> None:
+    def __init__(self, model, config: EngineConfig, lora=None, tokenizer=None) -> None:
         self.config = config
-        self.runner = ModelRunner(model, config, lora=lora)
+        self.runner = ModelRunner(model, config, lora=lora is not None)
+        # a PeftModel's hf_paged.lora.routing.LoraRouting: each step's adapters get their slots
+        self.lora = lora
+        if lora is not None:
+            lora.attach(self.runner.input_batch)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -58,6 +58,9 @@ class InputBatch:
         self.needs_history = np.zeros(max_num_reqs, dtype=bool)  # SamplingRow.needs_history
         self.sampling: list[SamplingRow | None] = [None] * max_num_reqs
         self.adapter: list[str | None] = [None] * max_num_reqs  # LoRA adapter of each row
+        # a PeftModel's engine: its hf_paged.lora.routing.LoraRouting, which gives each step's
+        # adapters their slots
+        self.lora = None
         self.penalty_counts = TokenCountPool(device)  # rows of requests with a penalty
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hf_paged.core.outputs import ScheduledBatch
+from hf_paged.lora.batch import LoraBatch, lora_batch
 from hf_paged.worker.forward_context import AttentionMetadata, PendingTokens
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
@@ -163,19 +164,14 @@ def kept_rows(step: StepInputs, ib: InputBatch) -> KeptRows:
     return out
 
 
-def lora_groups(
-    step: StepInputs, ib: InputBatch, device: torch.device
-) -> list[tuple[str, torch.Tensor]] | None:
-    """(adapter name, token indices into the flat batch) per LoRA adapter of the step's
-    requests; None when none has one."""
+def lora_groups(step: StepInputs, ib: InputBatch, device: torch.device) -> LoraBatch | None:
+    """The step's LoRA batch: each token's adapter slot (hf_paged.lora); None when no request of
+    the step has an adapter."""
     names = [ib.adapter[row] for row in step.rows.tolist()]
     used = {n for n in names if n is not None}
     if not used:
         return None
-    seq_of_token = np.repeat(np.arange(len(names)), step.num_sched)
-    groups = []
-    for name in sorted(used):
-        seqs = [i for i, n in enumerate(names) if n == name]
-        index = np.flatnonzero(np.isin(seq_of_token, seqs))
-        groups.append((name, to_device(index, device)))
-    return groups
+    routing = ib.lora
+    slot_of = routing.slots_for(used)
+    seq_slots = np.array([-1 if n is None else slot_of[n] for n in names], dtype=np.int32)
+    return lora_batch(np.repeat(seq_slots, step.num_sched), routing.max_loras, device)

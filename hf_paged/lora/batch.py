@@ -1,0 +1,37 @@
+"""One step's LoRA inputs, built once per step by the runner (worker/step_inputs.py::lora_groups)
+and read by every LoRA layer through the forward context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hf_paged.worker.host_to_device import to_device
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """Which adapter slot each token of the flat batch uses. The shapes depend on the token
+    count and max_loras only, never on which adapters run."""
+
+    token_slots: torch.Tensor  # int32 [num_tokens], slot of the token's adapter; -1: none
+    # for the Triton kernels (CUDA): token indices grouped by slot, and where each slot's run
+    # starts (kernels/lora.py::lora_segments); None on CPU, where the torch path needs neither
+    sorted_tokens: torch.Tensor | None = None  # int32 [num_tokens]
+    slot_start: torch.Tensor | None = None  # int32 [max_loras + 1]
+
+
+def lora_batch(token_slots: np.ndarray, num_slots: int, device: torch.device) -> LoraBatch:
+    """The batch for these per-token slots (host numpy, -1: no adapter) on the device."""
+    token_slots = token_slots.astype(np.int32)
+    if device.type != "cuda":
+        return LoraBatch(to_device(token_slots, device))
+    from hf_paged.kernels.lora import lora_segments_host
+
+    sorted_tokens, slot_start = lora_segments_host(token_slots, num_slots)
+    # one copy for the three: they are small and every LoRA layer of the step reads them
+    packed = to_device(np.concatenate([token_slots, sorted_tokens, slot_start]), device)
+    t = token_slots.shape[0]
+    return LoraBatch(packed[:t], packed[t : 2 * t], packed[2 * t :])

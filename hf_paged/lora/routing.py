@@ -1,0 +1,172 @@
+"""A PeftModel's LoRA adapters while an engine holds the model: which adapters a request may
+name, how many may be live at once, and which slot each one's tokens use in a step.
+
+- check(name), when a request is added: the adapter exists (peft's load_adapter / add_adapter
+  after start-up count), fits max_lora_rank, and its layers are routed (an adapter loaded later
+  may target modules no adapter targeted before: peft wraps them, and they are routed here before
+  the request is admitted, so no step runs its tokens through an unrouted layer).
+- admitting(requests, ...), around queueing requests: at most max_loras distinct adapters among
+  live requests (running, waiting or queued), so every step finds a slot for each adapter it
+  runs; beyond that the request is refused with a ValueError naming max_loras (the scheduler
+  does not hold requests back by adapter).
+- slots_for(names, running), once per step from the runner's side: LoraSlots.resolve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from collections.abc import Container, Iterator
+
+import torch
+
+from hf_paged.lora.layers import (
+    adapter_names,
+    check_supported,
+    install,
+    lora_layers,
+    restrict_config,
+    uninstall,
+)
+from hf_paged.lora.slots import LoraSlots
+
+
+def max_rank(layers: dict[str, torch.nn.Module]) -> int:
+    return max((r for layer in layers.values() for r in layer.r.values()), default=1)
+
+
+class LoraRouting:
+    def __init__(
+        self, model: torch.nn.Module, layers: dict[str, torch.nn.Module], max_loras: int, rank: int
+    ) -> None:
+        self.model = model
+        self.layers = dict(layers)
+        self.max_loras = max_loras
+        self.max_rank = rank
+        self.slots = LoraSlots(model, max_loras, rank)
+        self._seen = adapter_names(model)
+        self._checked: set[str] = set()
+        # (inbox, request id) -> (adapter, the scheduler's requests) of every request admitted
+        # with an adapter, by the Engine owning that inbox (Engines on one model share slots)
+        self._live: dict[tuple[object, str], tuple[str, Container]] = {}
+        self._lock = threading.Lock()
+        self._batches = weakref.WeakSet()  # the InputBatches of the Engines on the model
+        install(self.layers)
+        self.slots.add_layers(self.layers)
+
+    def adapters(self) -> set[str]:
+        """The adapters the model has now; layers of adapters added since are routed."""
+        names = adapter_names(self.model)
+        if names - self._seen:
+            found = lora_layers(self.model)
+            new = {k: v for k, v in found.items() if k not in self.layers}
+            check_supported(self.model, found)
+            install(new)
+            self.slots.add_layers(new)
+            self.layers.update(new)
+            self._seen = names
+            self._checked &= names
+        return names
+
+    def check(self, name: str) -> None:
+        """A request names this adapter: refuse it (ValueError naming the field) unless it can
+        run."""
+        known = self.adapters()
+        if name not in known:
+            raise ValueError(f"adapter: unknown adapter {name!r}; the model has {sorted(known)}")
+        if name in self._checked:
+            return
+        for layer_name, layer in self.layers.items():
+            rank = layer.r.get(name, 0) if name in layer.lora_A else 0
+            if rank > self.max_rank:
+                raise ValueError(
+                    f"adapter: {name!r} has rank {rank} on {layer_name}, more than max_lora_rank "
+                    f"({self.max_rank}); start the engine with max_lora_rank={rank} or more"
+                )
+        self._checked.add(name)
+
+    @contextlib.contextmanager
+    def admitting(self, requests, inbox, scheduled: Container) -> Iterator[None]:
+        """Around queueing these requests in an Engine's inbox: refuse them if their adapters and
+        those of the live requests would be more than max_loras; forget them again if the
+        queueing fails. A request is live while inbox.knows it (queued, or in `scheduled`, the
+        scheduler's requests: running or waiting)."""
+        wanted = {r.request_id: r.sampling_params.adapter for r in requests}
+        wanted = {rid: name for rid, name in wanted.items() if name is not None}
+        if not wanted:
+            yield
+            return
+        with self._lock:
+            for key in [k for k, (_, live) in self._live.items() if not k[0].knows(k[1], live)]:
+                del self._live[key]  # ended
+            live = {name for name, _ in self._live.values()}
+            names = live | set(wanted.values())
+            if len(names) > self.max_loras:
+                raise ValueError(
+                    f"adapter: {len(names)} distinct LoRA adapters would be live at once "
+                    f"({sorted(names)}; running or waiting: {sorted(live)}), more than max_loras "
+                    f"({self.max_loras}); start the engine with a larger max_loras, or add these "
+                    "requests once others have finished"
+                )
+            keys = [(inbox, rid) for rid in wanted]
+            self._live.update(zip(keys, ((name, scheduled) for name in wanted.values())))
+            try:
+                yield
+            except BaseException:
+                for key in keys:
+                    self._live.pop(key, None)
+                raise
+
+    def attach(self, input_batch) -> None:
+        """An Engine's runner rows: its steps resolve slots here, and its running requests'
+        adapters keep their slots."""
+        self._batches.add(input_batch)
+        input_batch.lora = self
+
+    def slots_for(self, names: set[str]) -> dict[str, int]:
+        running = set()
+        for ib in list(self._batches):
+            running.update(ib.adapter[row] for row in ib.req_to_row.values())
+        running.discard(None)
+        return self.slots.resolve(names, running)
+
+    def close(self) -> None:
+        uninstall(self.layers)
+        self.slots.remove_layers()
+
+
+def admitting(routing: LoraRouting | None, requests, inbox, scheduled: Container):
+    """LoraRouting.admitting for an Engine (its inbox and its scheduler's requests tell which
+    requests have not ended), or nothing to check for a model without LoRA."""
+    if routing is None:
+        return contextlib.nullcontext()
+    return routing.admitting(requests, inbox, scheduled)
+
+
+def route_adapters(model: torch.nn.Module, config, lease) -> LoraRouting | None:
+    """An Engine starting on the model: if it has LoRA layers, check them, fit the options to
+    the LoRA path (warning when that turns something off on a GPU) and route the layers, once
+    per model (lease: the model's ModelLease; its last owner puts the layers back)."""
+    layers = lora_layers(model)
+    if not layers:
+        return None
+    check_supported(model, layers)
+    rank = config.max_lora_rank
+    if rank is None:
+        rank = config.max_lora_rank = max_rank(layers)
+    else:
+        too_big = {n: r for layer in layers.values() for n, r in layer.r.items() if r > rank}
+        if too_big:
+            raise ValueError(f"max_lora_rank: {rank} is less than the rank of adapter(s) {too_big}")
+    off = restrict_config(config)
+    if off and next(model.parameters()).is_cuda:  # (off the GPU they never run)
+        warnings.warn(
+            f"hf_paged: LoRA adapters run without {', '.join(off)} for now",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    if lease.lora is None:
+        lease.lora = LoraRouting(model, layers, config.max_loras, rank)
+    return lease.lora
