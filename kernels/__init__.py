@@ -17,7 +17,6 @@ from .lora import (
     lora_expand,
     lora_expand_ref,
     lora_segments,
-    lora_segments_host,
     lora_shrink,
     lora_shrink_ref,
 )
@@ -35,7 +34,6 @@ __all__ = [
     "lora_expand",
     "lora_expand_ref",
     "lora_segments",
-    "lora_segments_host",
     "lora_shrink",
     "lora_shrink_ref",
     "norm_qkv_rope",

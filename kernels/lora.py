@@ -21,7 +21,6 @@ The sum is in a fixed order (no atomics): the result does not vary between runs.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -164,16 +163,6 @@ def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tens
     counts.scatter_add_(0, key, torch.ones(t, dtype=torch.int32, device=token_slots.device))
     slot_start = torch.zeros(num_slots + 1, dtype=torch.int32, device=token_slots.device)
     slot_start[1:] = counts[:num_slots].cumsum(0)
-    return sorted_tokens, slot_start
-
-
-def lora_segments_host(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """lora_segments on the host (numpy), for a step whose slots are built there."""
-    key = np.where(token_slots < 0, num_slots, token_slots)
-    sorted_tokens = np.argsort(key, kind="stable").astype(np.int32)
-    counts = np.bincount(key, minlength=num_slots + 1)[:num_slots]
-    slot_start = np.zeros(num_slots + 1, dtype=np.int32)
-    np.cumsum(counts, out=slot_start[1:])
     return sorted_tokens, slot_start
 
 

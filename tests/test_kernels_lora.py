@@ -12,10 +12,11 @@ from hf_paged.kernels import (
     lora_expand,
     lora_expand_ref,
     lora_segments,
-    lora_segments_host,
     lora_shrink,
     lora_shrink_ref,
 )
+
+from hf_paged.lora.batch import lora_segments_host
 
 RANKS = [1, 3, 8, 12]  # one adapter per slot; the stack is padded to 12
 MAX_RANK = 12

@@ -17,19 +17,25 @@ class LoraBatch:
     count and max_loras only, never on which adapters run."""
 
     token_slots: torch.Tensor  # int32 [num_tokens], slot of the token's adapter; -1: none
-    # for the Triton kernels (CUDA): token indices grouped by slot, and where each slot's run
-    # starts (kernels/lora.py::lora_segments); None on CPU, where the torch path needs neither
-    sorted_tokens: torch.Tensor | None = None  # int32 [num_tokens]
-    slot_start: torch.Tensor | None = None  # int32 [max_loras + 1]
+    # for the Triton kernels: token indices grouped by slot, and where each slot's run starts
+    # (kernels/lora.py::lora_segments)
+    sorted_tokens: torch.Tensor  # int32 [num_tokens]
+    slot_start: torch.Tensor  # int32 [max_loras + 1]
+
+
+def lora_segments_host(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """kernels/lora.py::lora_segments on the host (numpy): (sorted_tokens, slot_start)."""
+    key = np.where(token_slots < 0, num_slots, token_slots)
+    sorted_tokens = np.argsort(key, kind="stable").astype(np.int32)
+    counts = np.bincount(key, minlength=num_slots + 1)[:num_slots]
+    slot_start = np.zeros(num_slots + 1, dtype=np.int32)
+    np.cumsum(counts, out=slot_start[1:])
+    return sorted_tokens, slot_start
 
 
 def lora_batch(token_slots: np.ndarray, num_slots: int, device: torch.device) -> LoraBatch:
     """The batch for these per-token slots (host numpy, -1: no adapter) on the device."""
     token_slots = token_slots.astype(np.int32)
-    if device.type != "cuda":
-        return LoraBatch(to_device(token_slots, device))
-    from hf_paged.kernels.lora import lora_segments_host
-
     sorted_tokens, slot_start = lora_segments_host(token_slots, num_slots)
     # one copy for the three: they are small and every LoRA layer of the step reads them
     packed = to_device(np.concatenate([token_slots, sorted_tokens, slot_start]), device)

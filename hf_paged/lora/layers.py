@@ -24,6 +24,9 @@ from hf_paged.lora.slots import SCALE, A, B
 from hf_paged.worker.forward_context import get_forward_context, in_engine_step
 
 _ORIGINAL = "_hf_paged_peft_forward"
+# The Triton kernels run on CUDA tensors; None: there only. Tests set True to run them in
+# Triton's CPU interpreter inside an engine step.
+USE_KERNELS: bool | None = None
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -103,7 +106,7 @@ def lora_add_(
         return
     flat_y = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
     flat_x = x.reshape(-1, x.shape[-1])
-    if y.is_cuda:
+    if y.is_cuda if USE_KERNELS is None else USE_KERNELS:
         from hf_paged.kernels.lora import lora_expand, lora_shrink
 
         segments = (batch.sorted_tokens, batch.slot_start)

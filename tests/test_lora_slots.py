@@ -1,0 +1,186 @@
+"""Multi-LoRA through the stacked slot buffers (hf_paged/lora/slots.py), CPU, float32: the
+Triton kernels (interpreted) inside an engine step give peft's tokens; more adapters than slots
+over time reuse slots, more at once are refused at add_request; max_lora_rank and max_loras are
+validated; a removed adapter finishes its running requests and frees its slot; torch.compile runs
+the LoRA path with one graph; the buffers leave with the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import Engine, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+
+def _alone(model, prompt, name, max_new):
+    ids = torch.tensor([prompt])
+    if name is None:
+        with model.disable_adapter():
+            out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
+    else:
+        model.set_adapter(name)
+        out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _params(name, max_tokens=5):
+    # stops at eos, as generate does
+    return SamplingParams(max_tokens=max_tokens, temperature=0, adapter=name)
+
+
+def test_kernels_in_an_engine_step_give_peft_tokens(peft_model, monkeypatch):
+    from hf_paged.lora import layers
+
+    monkeypatch.setattr(layers, "USE_KERNELS", True)  # Triton's interpreter on CPU tensors
+    model = peft_model()
+    prompts = _prompts([9, 4, 6, 5], seed=1)
+    names = ["chat", None, "code", "math"]
+    want = [_alone(model, p, n, 3) for p, n in zip(prompts, names)]
+    eng = Engine(model, max_num_batched_tokens=16, max_loras=4)  # prefill chunks mix adapters
+    got = [o.output_token_ids for o in eng.generate(prompts, [_params(n, 3) for n in names])]
+    assert got == want
+    eng.shutdown()
+
+
+def test_more_adapters_over_time_than_slots_reuse_them(peft_model):
+    model = peft_model()
+    prompt = _prompts([11], seed=2)[0]
+    eng = Engine(model, max_loras=1)
+    routing = eng.core.lora
+    for name in ["math", "chat", None, "code", "math"]:
+        out = eng.generate([prompt], _params(name))[0].output_token_ids
+        assert out == _alone(model, prompt, name, 5), name
+        if name is not None:
+            assert routing.slots.slot_of == {name: 0}  # the one slot, copied again each time
+    eng.check_invariants()
+    eng.shutdown()
+
+
+def test_more_adapters_at_once_than_slots_are_refused(peft_model):
+    model = peft_model()
+    prompts = _prompts([5, 6, 7], seed=3)
+    eng = Engine(model, max_loras=2)
+    first = eng.add_request(prompts[0], _params("math"))
+    eng.add_request(prompts[1], _params("math"))  # the same adapter: no new slot
+    eng.add_request(prompts[1], _params(None))  # the base model takes no slot
+    eng.add_request(prompts[1], _params("chat"))
+    with pytest.raises(ValueError, match=r"adapter: 3 distinct LoRA adapters.*max_loras \(2\)"):
+        eng.add_request(prompts[2], _params("code"))
+    with pytest.raises(ValueError, match="max_loras"):  # a batch is refused whole
+        eng.generate(prompts, [_params(n) for n in ["math", "code", "chat"]])
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o.output_token_ids
+    assert len(done) == 4 and done[first] == _alone(model, prompts[0], "math", 5)
+    # once they have finished, the third adapter is welcome
+    assert eng.generate([prompts[2]], _params("code"))[0].output_token_ids == _alone(
+        model, prompts[2], "code", 5
+    )
+    eng.check_invariants()
+    eng.shutdown()
+
+
+def test_ranks_beyond_max_lora_rank_are_refused(peft_model, lora_b):
+    from peft import LoraConfig
+
+    model = peft_model()
+    with pytest.raises(ValueError, match="max_lora_rank: 4 is less than the rank"):
+        Engine(model, max_lora_rank=4)
+    eng = Engine(model)  # None: the largest rank the model has (8)
+    assert eng.config.max_lora_rank == 8
+    model.add_adapter("wide", LoraConfig(r=16, target_modules=["q_proj"]))
+    lora_b(model, "wide")
+    with pytest.raises(ValueError, match=r"adapter: 'wide' has rank 16 .*max_lora_rank \(8\)"):
+        eng.add_request([1, 2, 3], _params("wide"))
+    assert not eng.has_unfinished_requests()
+    eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("max_loras", 0), ("max_loras", None), ("max_lora_rank", -1)]
+)
+def test_lora_options_are_validated(tiny_model, option, value):
+    with pytest.raises(ValueError, match=f"{option} must be a positive integer"):
+        Engine(tiny_model("llama"), **{option: value})
+
+
+def test_a_removed_adapter_finishes_its_requests_and_frees_its_slot(peft_model):
+    model = peft_model()
+    prompt = _prompts([8], seed=9)[0]
+    want = _alone(model, prompt, "chat", 6)
+    assert len(want) == 6  # no eos: the request is still running when the adapter goes
+    eng = Engine(model, max_loras=2)
+    running = eng.add_request(prompt, _params("chat", 6))
+    outs = {}
+    for _ in range(3):
+        for o in eng.step():
+            outs[o.request_id] = o.output_token_ids
+    assert "chat" in eng.core.lora.slots.slot_of and eng.has_unfinished_requests()
+    model.delete_adapter("chat")
+    with pytest.raises(ValueError, match="adapter: unknown adapter 'chat'"):
+        eng.add_request(prompt, _params("chat"))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o.output_token_ids
+    assert outs[running] == want  # it ran to the end with the weights it started with
+    eng.generate([prompt], _params("math"))  # the next step that resolves slots frees it
+    assert set(eng.core.lora.slots.slot_of) == {"math"}
+    eng.shutdown()
+
+
+def test_an_adapter_replaced_under_its_name_is_copied_again(peft_model, lora_b):
+    from peft import LoraConfig
+
+    model = peft_model()
+    prompt = _prompts([10], seed=5)[0]
+    eng = Engine(model)
+    before = eng.generate([prompt], _params("code"))[0].output_token_ids
+    assert before == _alone(model, prompt, "code", 5)
+    model.delete_adapter("code")
+    model.add_adapter("code", LoraConfig(r=2, target_modules=["gate_proj", "v_proj"]))
+    lora_b(model, "code")
+    want = _alone(model, prompt, "code", 5)
+    assert want != before
+    assert eng.generate([prompt], _params("code"))[0].output_token_ids == want
+    eng.shutdown()
+
+
+def test_compiled_lora_path_matches_eager_with_one_graph(peft_model):
+    import torch._dynamo
+
+    model = peft_model()
+    prompts = _prompts([3, 17, 9, 30], seed=6)
+    names = ["math", "chat", None, "code"]
+    params = [_params(n, 4) for n in names]
+    opts = dict(attention_backend="torch", max_num_batched_tokens=32)
+    eager = Engine(model, compile=False, **opts)
+    want = [o.output_token_ids for o in eager.generate(prompts, params)]
+    eager.shutdown()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eng = Engine(model, compile=True, **opts)
+    assert eng.config.compile  # LoRA no longer turns compile off
+    got = [o.output_token_ids for o in eng.generate(prompts, params)]
+    assert got == want
+    assert eng.runner.forward.compiled  # no fallback to eager
+    # every decoder layer shares one graph; steps with and without adapters share it too
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    eng.shutdown()
+
+
+def test_the_slot_buffers_leave_with_the_engine(peft_model):
+    model = peft_model()
+    names = {n for n, _ in model.named_buffers()}
+    eng = Engine(model)
+    assert any("hf_paged_lora_a" in n for n, _ in model.named_buffers())
+    assert not any("hf_paged" in k for k in model.state_dict())  # never saved with the model
+    eng.shutdown()
+    assert {n for n, _ in model.named_buffers()} == names
