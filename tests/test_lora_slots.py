@@ -153,6 +153,25 @@ def test_an_adapter_replaced_under_its_name_is_copied_again(peft_model, lora_b):
     eng.shutdown()
 
 
+def test_an_adapter_loaded_later_may_target_any_projection(peft_model, lora_b):
+    from peft import LoraConfig
+
+    # q/v adapters only: k_proj and gate/up stay plain Linear layers, which the engine would
+    # fuse; it does not with LoRA, so peft can wrap them later
+    model = peft_model({"math": (8, ["q_proj", "v_proj"], False)})
+    prompt = _prompts([7], seed=7)[0]
+    eng = Engine(model)
+    assert eng.num_fused_projections == 0
+    model.add_adapter("mlp", LoraConfig(r=5, target_modules=["gate_proj", "up_proj", "k_proj"]))
+    lora_b(model, "mlp")
+    got = eng.generate([prompt, prompt], [_params("mlp"), _params("math")])
+    assert [o.output_token_ids for o in got] == [
+        _alone(model, prompt, "mlp", 5),
+        _alone(model, prompt, "math", 5),
+    ]
+    eng.shutdown()
+
+
 def test_compiled_lora_path_matches_eager_with_one_graph(peft_model):
     import torch._dynamo
 

@@ -127,10 +127,15 @@ def _(y, x, a, b, scale) -> None:
 
 def restrict_config(config) -> list[str]:
     """What the LoRA path does not cover yet, turned off: the CUDA graphs' inputs carry no
-    per-token slots, and the small-batch forward (its own fused weights) applies no adapter.
+    per-token slots, the small-batch forward (its own fused weights) applies no adapter, and a
+    fused q/k/v or gate/up group (of layers no adapter targets) would make peft refuse an adapter
+    loaded later on one of them ("Target module ProjectionSlice() is not supported").
     torch.compile stays: the LoRA add is one opaque op of static shapes. Returns what it turned
     off."""
     off = []
+    if config.fuse_projections:
+        config.fuse_projections = False
+        off.append("fuse_projections")
     if config.cuda_graphs:
         config.cuda_graphs = False
         off.append("cuda_graphs")
