@@ -119,3 +119,56 @@ def test_adapter_loaded_while_the_engine_runs(peft_model, lora_b):
     model.set_adapter("docs")
     assert outs[late] == _alone(model, prompt, "docs", 6)
     eng.shutdown()
+
+
+def test_pipeline_adapter_name(peft_model):
+    import transformers
+
+    import hf_paged
+    from hf_paged.testing import tiny_tokenizer
+
+    model, tok = peft_model(), tiny_tokenizer()
+    texts = ["hello there", "the quick brown fox"]
+    gen = dict(max_new_tokens=6, do_sample=False)
+    ref = transformers.pipeline("text-generation", model=model, tokenizer=tok)
+    model.set_adapter("chat")
+    want_chat = ref(texts, **gen)
+    with model.disable_adapter():
+        want_base = ref(texts, **gen)
+    assert want_chat != want_base
+    pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok)
+    try:
+        model.set_adapter("math")  # the engine's choice is per call, not peft's active adapter
+        assert pipe(texts, adapter_name="chat", **gen) == want_chat
+        assert pipe(texts, adapter_names=["__base__", "__base__"], **gen) == want_base
+        assert pipe(texts[0], adapter_name="chat", **gen) == want_chat[0]
+        with pytest.raises(ValueError, match="adapter_name: give adapter_name or"):
+            pipe(texts, adapter_name="chat", adapter_names=["chat", "chat"], **gen)
+    finally:
+        hf_paged.unpatch(model)
+
+
+def test_generate_without_adapter_names_runs_peft_active_adapter(peft_model):
+    import hf_paged
+
+    model = peft_model()
+    prompts = _prompts([7, 7], seed=11)
+    model.set_adapter("code")
+    want = [_alone(model, p, "code", 5) for p in prompts]
+    base = [_alone(model, p, None, 5) for p in prompts]
+    assert want != base
+    model.set_adapter("code")
+    hf_paged.patch(model)
+    try:
+        out = model.generate(input_ids=torch.tensor(prompts), max_new_tokens=5, do_sample=False)
+        with model.disable_adapter():  # peft's base model: no adapter for the engine either
+            out_base = model.generate(
+                input_ids=torch.tensor(prompts), max_new_tokens=5, do_sample=False
+            )
+        with pytest.raises(ValueError, match="num_beams: beam search with a LoRA adapter"):
+            model.generate(input_ids=torch.tensor(prompts), max_new_tokens=2, num_beams=2)
+    finally:
+        hf_paged.unpatch(model)
+    # rows that ended at eos are padded (pad_token_id 0)
+    assert out[:, 7:].tolist() == [w + [0] * (5 - len(w)) for w in want]
+    assert out_base[:, 7:].tolist() == [w + [0] * (5 - len(w)) for w in base]

@@ -49,6 +49,29 @@ def test_kernels_in_an_engine_step_give_peft_tokens(peft_model, monkeypatch):
     eng.shutdown()
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_graph_inputs_carry_each_tokens_slot(peft_model, monkeypatch, kernels):
+    # the CUDA-graph runner's static padded buffers, run without capture on the CPU: decode
+    # batches padded to a bucket and mixed steps padded to a token bucket, the adapter slots a
+    # packed input (padding: -1) grouped by slot inside the graph's forward
+    from hf_paged.lora import layers
+    from hf_paged.worker.cuda_graphs import CudaGraphRunner
+
+    monkeypatch.setattr(layers, "USE_KERNELS", kernels)
+    model = peft_model()
+    prompts = _prompts([9, 3, 14], seed=8)
+    names = ["code", "chat", None]
+    want = [_alone(model, p, n, 4) for p, n in zip(prompts, names)]
+    eng = Engine(model, attention_backend="triton", max_num_batched_tokens=32, max_num_seqs=3)
+    eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
+    eng.runner.graphs.capture()
+    got = [o.output_token_ids for o in eng.generate(prompts, [_params(n, 4) for n in names])]
+    replays = dict(eng.runner.graphs.replays)
+    eng.shutdown()
+    assert got == want
+    assert replays["decode"] > 0 and replays["mixed"] > 0
+
+
 def test_more_adapters_over_time_than_slots_reuse_them(peft_model):
     model = peft_model()
     prompt = _prompts([11], seed=2)[0]

@@ -126,19 +126,16 @@ def _(y, x, a, b, scale) -> None:
 
 
 def restrict_config(config) -> list[str]:
-    """What the LoRA path does not cover yet, turned off: the CUDA graphs' inputs carry no
-    per-token slots, the small-batch forward (its own fused weights) applies no adapter, and a
-    fused q/k/v or gate/up group (of layers no adapter targets) would make peft refuse an adapter
-    loaded later on one of them ("Target module ProjectionSlice() is not supported").
-    torch.compile stays: the LoRA add is one opaque op of static shapes. Returns what it turned
-    off."""
+    """What the LoRA path does not cover yet, turned off: the small-batch forward (its own fused
+    weights) applies no adapter, and a fused q/k/v or gate/up group (of layers no adapter
+    targets) would make peft refuse an adapter loaded later on one of them ("Target module
+    ProjectionSlice() is not supported"). torch.compile and CUDA graphs stay: the LoRA add is
+    one opaque op of static shapes whose per-token slots are graph inputs. Returns what it
+    turned off."""
     off = []
     if config.fuse_projections:
         config.fuse_projections = False
         off.append("fuse_projections")
-    if config.cuda_graphs:
-        config.cuda_graphs = False
-        off.append("cuda_graphs")
     if config.small_batch_rows:
         config.small_batch_rows = 0
         off.append("small_batch_rows")
@@ -148,3 +145,17 @@ def restrict_config(config) -> list[str]:
 def adapter_names(model: torch.nn.Module) -> set[str]:
     """The LoRA adapters a PeftModel has now (peft_config keys; load_adapter adds to them)."""
     return set(getattr(model, "peft_config", {}) or {})
+
+
+def active_adapter(model: torch.nn.Module) -> str | None:
+    """The adapter peft's own forward would apply now: a PeftModel's one active LoRA adapter,
+    unless its adapters are disabled (peft's disable_adapter()); None otherwise."""
+    if not adapter_names(model):
+        return None
+    active = getattr(model, "active_adapters", None)
+    if not isinstance(active, list) or len(active) != 1 or active[0] not in adapter_names(model):
+        return None
+    layer = next(iter(lora_layers(model).values()), None)
+    if layer is None or layer.disable_adapters:
+        return None
+    return active[0]

@@ -39,15 +39,24 @@ def max_rank(layers: dict[str, torch.nn.Module]) -> int:
 
 class LoraRouting:
     def __init__(
-        self, model: torch.nn.Module, layers: dict[str, torch.nn.Module], max_loras: int, rank: int
+        self,
+        model: torch.nn.Module,
+        layers: dict[str, torch.nn.Module],
+        max_loras: int,
+        rank: int,
+        graphs: bool = False,
     ) -> None:
         self.model = model
+        # CUDA graphs captured the forward: a LoRA layer peft adds later is not in them
+        self.graphs = graphs
         self.layers = dict(layers)
         self.max_loras = max_loras
         self.max_rank = rank
         self.slots = LoraSlots(model, max_loras, rank)
         self._seen = adapter_names(model)
         self._checked: set[str] = set()
+        # adapters loaded after start-up on modules no adapter targeted before, with graphs on
+        self._unroutable: set[str] = set()
         # (inbox, request id) -> (adapter, the scheduler's requests) of every request admitted
         # with an adapter, by the Engine owning that inbox (Engines on one model share slots)
         self._live: dict[tuple[object, str], tuple[str, Container]] = {}
@@ -63,6 +72,12 @@ class LoraRouting:
             found = lora_layers(self.model)
             new = {k: v for k, v in found.items() if k not in self.layers}
             check_supported(self.model, found)
+            if new and self.graphs:  # refused by check(); other adapters run as before
+                self._unroutable |= {
+                    n
+                    for n in names - self._seen
+                    if any(n in layer.lora_A for layer in new.values())
+                }
             install(new)
             self.slots.add_layers(new)
             self.layers.update(new)
@@ -76,6 +91,12 @@ class LoraRouting:
         known = self.adapters()
         if name not in known:
             raise ValueError(f"adapter: unknown adapter {name!r}; the model has {sorted(known)}")
+        if name in self._unroutable:
+            raise ValueError(
+                f"adapter: {name!r} targets modules no adapter targeted when the engine started; "
+                "its CUDA graphs do not run through them: load it before the engine starts, or "
+                "pass cuda_graphs=False"
+            )
         if name in self._checked:
             return
         for layer_name, layer in self.layers.items():
@@ -168,5 +189,6 @@ def route_adapters(model: torch.nn.Module, config, lease) -> LoraRouting | None:
             stacklevel=5,
         )
     if lease.lora is None:
-        lease.lora = LoraRouting(model, layers, config.max_loras, rank)
+        graphs = config.cuda_graphs and next(model.parameters()).is_cuda
+        lease.lora = LoraRouting(model, layers, config.max_loras, rank, graphs)
     return lease.lora

@@ -43,6 +43,8 @@ class StepInputs:
     decode_only: bool
     any_logprobs: bool  # some request computes prompt log-probs in this step's tokens
     features: int  # every SamplingParams.features bit of the step's requests (0: plain greedy)
+    # a PeftModel's engine: each token's LoRA adapter slot (-1: none); None without LoRA
+    lora_slots: np.ndarray | None = None  # int32 [num_tokens]
 
 
 def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> StepInputs:
@@ -83,7 +85,18 @@ def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> St
         decode_only=num_tokens == num_seqs,
         any_logprobs=bool(ib.prompt_logprobs[rows].any()),
         features=int(np.bitwise_or.reduce(ib.features[rows])),
+        lora_slots=None if ib.lora is None else _lora_slots(rows, num_sched, ib),
     )
+
+
+def _lora_slots(rows: np.ndarray, num_sched: np.ndarray, ib: InputBatch) -> np.ndarray:
+    """Each token's adapter slot, the step's adapters copied into slots where they are not
+    (hf_paged.lora.routing.LoraRouting.slots_for)."""
+    names = [ib.adapter[row] for row in rows.tolist()]
+    used = {n for n in names if n is not None}
+    slot_of = ib.lora.slots_for(used) if used else {}
+    seq_slots = np.array([-1 if n is None else slot_of[n] for n in names], dtype=np.int32)
+    return np.repeat(seq_slots, num_sched)
 
 
 def attention_metadata(
@@ -165,13 +178,8 @@ def kept_rows(step: StepInputs, ib: InputBatch) -> KeptRows:
 
 
 def lora_groups(step: StepInputs, ib: InputBatch, device: torch.device) -> LoraBatch | None:
-    """The step's LoRA batch: each token's adapter slot (hf_paged.lora); None when no request of
+    """The step's LoRA batch (hf_paged.lora): each token's adapter slot; None when no token of
     the step has an adapter."""
-    names = [ib.adapter[row] for row in step.rows.tolist()]
-    used = {n for n in names if n is not None}
-    if not used:
+    if step.lora_slots is None or not (step.lora_slots >= 0).any():
         return None
-    routing = ib.lora
-    slot_of = routing.slots_for(used)
-    seq_slots = np.array([-1 if n is None else slot_of[n] for n in names], dtype=np.int32)
-    return lora_batch(np.repeat(seq_slots, step.num_sched), routing.max_loras, device)
+    return lora_batch(step.lora_slots, ib.lora.max_loras, device)
