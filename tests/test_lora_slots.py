@@ -159,6 +159,30 @@ def test_a_removed_adapter_finishes_its_requests_and_frees_its_slot(peft_model):
     eng.shutdown()
 
 
+def test_a_removed_adapter_keeps_its_slot_for_waiting_requests(peft_model):
+    # one seat: while another adapter's request runs, the removed adapter's waiting request
+    # holds no row, yet its slot must stay (peft cannot give the weights again)
+    model = peft_model()
+    prompt = _prompts([8], seed=9)[0]
+    want = _alone(model, prompt, "chat", 6)
+    eng = Engine(model, max_num_seqs=1, scheduling_policy="priority", max_loras=2)
+    first = eng.add_request(prompt, _params("chat", 6))
+    eng.step()
+    waiting = eng.add_request(prompt, _params("chat", 6), priority=5)
+    other = eng.add_request(prompt, _params("math", 6), priority=-1)  # before `waiting`
+    eng.step()
+    model.delete_adapter("chat")
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o.output_token_ids
+    assert outs[first] == outs[waiting] == want
+    assert outs[other] == _alone(model, prompt, "math", 6)
+    eng.generate([prompt], _params("math"))  # nobody runs it any more: its slot is freed
+    assert set(eng.core.lora.slots.slot_of) == {"math"}
+    eng.shutdown()
+
+
 def test_an_adapter_replaced_under_its_name_is_copied_again(peft_model, lora_b):
     from peft import LoraConfig
 

@@ -120,8 +120,7 @@ class LoraRouting:
             yield
             return
         with self._lock:
-            for key in [k for k, (_, live) in self._live.items() if not k[0].knows(k[1], live)]:
-                del self._live[key]  # ended
+            self._prune()
             live = {name for name, _ in self._live.values()}
             names = live | set(wanted.values())
             if len(names) > self.max_loras:
@@ -151,7 +150,18 @@ class LoraRouting:
         for ib in list(self._batches):
             running.update(ib.adapter[row] for row in ib.req_to_row.values())
         running.discard(None)
-        return self.slots.resolve(names, running)
+        return self.slots.resolve(names, running, self._live_adapters)
+
+    def _live_adapters(self) -> set[str]:
+        """The adapters of every request admitted and not ended (running, waiting, queued)."""
+        with self._lock:
+            self._prune()
+            return {name for name, _ in self._live.values()}
+
+    def _prune(self) -> None:
+        ended = [k for k, (_, live) in self._live.items() if not k[0].knows(k[1], live)]
+        for key in ended:
+            del self._live[key]
 
     def close(self) -> None:
         uninstall(self.layers)

@@ -19,6 +19,8 @@ they are graph inputs like the weights, so every decoder layer still shares one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 A, B, SCALE = "hf_paged_lora_a", "hf_paged_lora_b", "hf_paged_lora_scale"
@@ -63,19 +65,26 @@ class LoraSlots:
         self.slot_of = {}
         self._probe = {}
 
-    def resolve(self, names: set[str], running: set[str]) -> dict[str, int]:
+    def resolve(
+        self, names: set[str], running: set[str], live: Callable[[], set[str]]
+    ) -> dict[str, int]:
         """The slot of each adapter in `names` (one step's), copying those not in a slot (or
         replaced by peft since) into free or reusable slots. running: the adapters of every
-        running request (their slots stay)."""
+        running request; live(): those of every request not ended (waiting ones too), asked
+        only when peft has removed an adapter that holds a slot."""
         present = set(getattr(self.model, "peft_config", {}) or {})
-        for gone in [n for n in self.slot_of if n not in present and n not in running]:
-            del self.slot_of[gone]  # removed from peft and no longer running: slot free
-            self._probe.pop(gone, None)
+        gone = [n for n in self.slot_of if n not in present]
+        if gone:  # removed from peft: the slot is free once no request will run it again
+            keep = running | live()
+            for name in gone:
+                if name not in keep:
+                    del self.slot_of[name]
+                    self._probe.pop(name, None)
         out = {}
         for name in names:
             slot = self.slot_of.pop(name, None)
             if slot is None or (name in present and self._replaced(name)):
-                slot = self._load(name, slot, keep=names | running)
+                slot = self._load(name, slot, names | running, present)
             self.slot_of[name] = slot  # most recently used last
             out[name] = slot
         return out
@@ -87,14 +96,15 @@ class LoraSlots:
         layer, module = probe
         return layer.lora_A[name] is not module if name in layer.lora_A else True
 
-    def _load(self, name: str, slot: int | None, keep: set[str]) -> int:
+    def _load(self, name: str, slot: int | None, keep: set[str], present: set[str]) -> int:
         if slot is None:
             used = set(self.slot_of.values())
             free = [s for s in range(self.max_loras) if s not in used]
             if free:
                 slot = free[0]
             else:
-                victim = next((n for n in self.slot_of if n not in keep), None)
+                # never a removed adapter's slot: its waiting requests could not copy it again
+                victim = next((n for n in self.slot_of if n not in keep and n in present), None)
                 if victim is None:  # admission (LoraRouting.admitting) keeps this from happening
                     raise RuntimeError(
                         f"max_loras: every one of the {self.max_loras} LoRA slots holds an "
