@@ -1,7 +1,7 @@
 """Multi-LoRA throughput: the base model vs 1 adapter vs N adapters spread over the requests.
 
     python evals/profiling/lora_bench.py [--shape llama-3-8b] [--adapters 8] [--rank 16]
-        [--requests 256] [--new-tokens 256] [--device cuda] [--dtype bfloat16]
+        [--requests 256] [--new-tokens 256] [--hf-batch 64] [--device cuda] [--dtype bfloat16]
         [engine options: --compile 0 --max-loras 8 ...]
 
 A model of the shape with random weights; W1's prompts (evals/workloads.py, the first
@@ -10,8 +10,11 @@ with its defaults (and the engine options given); then the same model as a PeftM
 --adapters adapters of rank --rank on all seven projections (q/k/v/o, gate/up/down; lora_B drawn
 at random so they cost what real ones do), all requests on one adapter, then request i on
 adapter i % N. Then batch 1 (one 128-token prompt) without and with an adapter. Each run is
-preceded by a warm-up on 8 prompts (Triton JIT, compile, graphs). Prints output tokens/s and
-the ratios to the base model; the issue's targets: N adapters >= 85% of base, 1 adapter >= 90%,
+preceded by a warm-up on 8 prompts (Triton JIT, compile, graphs). With --hf-batch B > 0, the
+same requests through transformers + peft generate in static batches of B (left padding, EOS
+off, evals/backends.py's settings): one adapter (peft's active adapter), then the spread as
+peft's adapter_names. Prints output tokens/s, the ratios to the base model, and the engine's
+ratio to transformers + peft; the issue's targets: N adapters >= 85% of base, 1 adapter >= 90%,
 batch 1 with an adapter >= 85% of batch 1 without.
 
 --device cpu --dtype float32 --shape smollm2-135m runs the same on the CPU (a smoke test).
@@ -51,6 +54,33 @@ def run(eng, prompts, names, new_tokens: int, device: str) -> float:
     return sum(len(o.output_token_ids) for o in outs) / wall
 
 
+def run_hf(model, prompts, names, new_tokens: int, batch: int, device: str) -> float:
+    """Output tokens/s of transformers + peft generate in static batches (names: peft's
+    adapter_names per row, or None: the active adapter)."""
+    from hf_paged_evals.backends import _left_pad, _pad_id, hf_generate_config
+
+    dev = torch.device(device)
+    config = hf_generate_config(model, new_tokens)
+    pad = _pad_id(model)
+    with torch.inference_mode():  # warm-up outside the clock
+        ids, mask = _left_pad([[17] * 16], pad, dev)
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    _sync(device)
+    t = time.perf_counter()
+    made = 0
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        ids, mask = _left_pad(chunk, pad, dev)
+        extra = {} if names is None else {"adapter_names": names[start : start + batch]}
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=config, **extra
+            )
+        made += (out.shape[1] - ids.shape[1]) * len(chunk)
+    _sync(device)
+    return made / (time.perf_counter() - t)
+
+
 def add_adapters(model, count: int, rank: int):
     from peft import LoraConfig, get_peft_model
 
@@ -75,6 +105,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=64, help="0: no transformers + peft run")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add_engine_options(parser)
@@ -102,6 +133,20 @@ def main() -> None:
     rows.append((f"{args.adapters} adapters, uniform", many, many / base))
     lora1 = run(eng, one, ["a0"], 2 * new, args.device)
     eng.shutdown()
+    hf = []
+    if args.hf_batch > 0:
+        model.set_adapter("a0")
+        hf.append(
+            ("1 adapter", single, run_hf(model, prompts, None, new, args.hf_batch, args.device))
+        )
+        mixed = ["__base__" if n is None else n for n in spread]
+        hf.append(
+            (
+                f"{args.adapters} adapters",
+                many,
+                run_hf(model, prompts, mixed, new, args.hf_batch, args.device),
+            )
+        )
 
     print(
         f"{args.shape} {args.dtype} {args.device}, {n} requests x {new} new tokens, "
@@ -113,6 +158,12 @@ def main() -> None:
         print(f"| {name} | {tps:,.0f} | {ratio:.1%} |")
     print(f"| batch 1, base | {base1:,.1f} | 100.0% |")
     print(f"| batch 1, 1 adapter | {lora1:,.1f} | {lora1 / base1:.1%} |")
+    if hf:
+        print(f"\ntransformers + peft generate, static batches of {args.hf_batch}")
+        print("| run | hf_paged tok/s | transformers + peft tok/s | ratio |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, ours, theirs in hf:
+            print(f"| {name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f}x |")
 
 
 if __name__ == "__main__":

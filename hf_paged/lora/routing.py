@@ -18,6 +18,7 @@ import contextlib
 import threading
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Container, Iterator
 
 import torch
@@ -60,6 +61,8 @@ class LoraRouting:
         # (inbox, request id) -> (adapter, the scheduler's requests) of every request admitted
         # with an adapter, by the Engine owning that inbox (Engines on one model share slots)
         self._live: dict[tuple[object, str], tuple[str, Container]] = {}
+        self._count: Counter[str] = Counter()  # adapter -> its entries in _live
+        self._prune_at = 1024
         self._lock = threading.Lock()
         self._batches = weakref.WeakSet()  # the InputBatches of the Engines on the model
         install(self.layers)
@@ -120,8 +123,11 @@ class LoraRouting:
             yield
             return
         with self._lock:
-            self._prune()
-            live = {name for name, _ in self._live.values()}
+            if len(self._live) > self._prune_at:  # amortised: ended requests do not pile up
+                self._prune()
+            if len(set(self._count) | set(wanted.values())) > self.max_loras:
+                self._prune()  # (only ever fewer)
+            live = set(self._count)
             names = live | set(wanted.values())
             if len(names) > self.max_loras:
                 raise ValueError(
@@ -131,12 +137,13 @@ class LoraRouting:
                     "requests once others have finished"
                 )
             keys = [(inbox, rid) for rid in wanted]
-            self._live.update(zip(keys, ((name, scheduled) for name in wanted.values())))
+            for key, name in zip(keys, wanted.values()):
+                self._add_live(key, name, scheduled)
             try:
                 yield
             except BaseException:
                 for key in keys:
-                    self._live.pop(key, None)
+                    self._drop_live(key)
                 raise
 
     def attach(self, input_batch) -> None:
@@ -156,12 +163,26 @@ class LoraRouting:
         """The adapters of every request admitted and not ended (running, waiting, queued)."""
         with self._lock:
             self._prune()
-            return {name for name, _ in self._live.values()}
+            return set(self._count)
+
+    def _add_live(self, key, name: str, scheduled: Container) -> None:
+        if key in self._live:  # a request id used again after its request ended
+            self._drop_live(key)
+        self._live[key] = (name, scheduled)
+        self._count[name] += 1
+
+    def _drop_live(self, key) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._count[entry[0]] -= 1
+            if not self._count[entry[0]]:
+                del self._count[entry[0]]
 
     def _prune(self) -> None:
-        ended = [k for k, (_, live) in self._live.items() if not k[0].knows(k[1], live)]
-        for key in ended:
-            del self._live[key]
+        """Forget the requests that have ended."""
+        for key in [k for k, (_, live) in self._live.items() if not k[0].knows(k[1], live)]:
+            self._drop_live(key)
+        self._prune_at = max(1024, 2 * len(self._live))
 
     def close(self) -> None:
         uninstall(self.layers)
