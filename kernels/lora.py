@@ -282,16 +282,22 @@ def lora_expand(
     )  # fmt: skip
 
 
+def _slot_tokens(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, the indices of its tokens) for each slot some token uses (a host sync)."""
+    used = torch.unique(token_slots[token_slots >= 0]).tolist()
+    return [(slot, (token_slots == slot).nonzero().squeeze(1)) for slot in used]
+
+
 def lora_shrink_ref(
     x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor
 ) -> torch.Tensor:  # f32 [T, R]; zero where a token has no slot
-    """x @ A[slot]^T per token, in the adapters' dtype. A loop over every slot with a
-    where(): static shapes (no data-dependent gather), so it runs under torch.compile."""
+    """x @ A[slot]^T per token, in the adapters' dtype: each used slot's tokens gathered (the
+    engine runs this inside an opaque custom op, so the data-dependent shapes never reach
+    torch.compile or a graph)."""
     out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-    x = x.to(a_stack.dtype)
-    for slot in range(a_stack.shape[0]):
-        mine = (token_slots == slot)[:, None]
-        out = torch.where(mine, (x @ a_stack[slot].T).float(), out)
+    for slot, index in _slot_tokens(token_slots):
+        h = x.index_select(0, index).to(a_stack.dtype) @ a_stack[slot].T
+        out.index_copy_(0, index, h.float())
     return out
 
 
@@ -306,10 +312,9 @@ def lora_expand_ref(
     computes result + lora_B(lora_A(x)) * scaling."""
     if s.dim() == 3:
         s = s.sum(0)
-    s = s.to(b_stack.dtype)
-    out = y
-    for slot in range(b_stack.shape[0]):
-        mine = (token_slots == slot)[:, None]
-        delta = (s @ b_stack[slot].T) * scale[slot].to(b_stack.dtype)
-        out = torch.where(mine, y + delta.to(y.dtype), out)
+    out = y.clone()
+    for slot, index in _slot_tokens(token_slots):
+        h = s.index_select(0, index).to(b_stack.dtype)
+        delta = (h @ b_stack[slot].T) * scale[slot].to(b_stack.dtype)
+        out.index_add_(0, index, delta.to(y.dtype))
     return out
