@@ -279,6 +279,8 @@ def lora_expand(
         BLOCK_R=max(16, triton.next_power_of_2(r)),
         DOT_PRECISION=_precision(b_stack),
         DOT_UPCAST=_upcast(b_stack),
+        # a 64 x 128 float32 tile with y's and B's beside it: twice the registers of 4 warps
+        num_warps=8 if block_m * block_n >= 8192 else 4,
     )  # fmt: skip
 
 

@@ -127,3 +127,19 @@ def test_bad_inputs_are_refused():
         lora_expand(torch.zeros(2, 8), s, b, scale.double(), st, ss)
     with pytest.raises(ValueError, match="s must be"):
         lora_expand(torch.zeros(2, 8), s.half(), b, scale, st, ss)
+
+
+def test_many_tokens_take_the_wide_tiles():
+    # more than 256 tokens: 64-token tiles (and 8 warps in expand), runs of every slot
+    a, b, scale = _stacks(16, 24, torch.float32, seed=4)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randint(-1, len(RANKS), (300,), generator=g).to(torch.int32)
+    x, y = torch.randn(300, 16, generator=g), torch.randn(300, 24, generator=g)
+    sorted_tokens, slot_start = lora_segments(slots, len(RANKS))
+    got = y.clone()
+    lora_expand(
+        got, lora_shrink(x, a, sorted_tokens, slot_start), b, scale, sorted_tokens, slot_start
+    )
+    torch.testing.assert_close(
+        got.double(), _by_definition(x, y, a, b, scale, slots), atol=1e-4, rtol=1e-4
+    )
