@@ -242,6 +242,24 @@ def test_compiled_lora_path_matches_eager_with_one_graph(peft_model):
     eng.shutdown()
 
 
+def test_engines_on_one_model_share_its_slots(peft_model):
+    model = peft_model()
+    prompt = _prompts([6], seed=10)[0]
+    first = Engine(model, max_loras=2)
+    second = Engine(model, max_loras=5)  # the slots exist already: the first Engine's options
+    assert second.config.max_loras == 2 and second.core.lora is first.core.lora
+    for eng, name in ((first, "math"), (second, "code"), (second, None), (first, "chat")):
+        assert eng.generate([prompt], _params(name))[0].output_token_ids == _alone(
+            model, prompt, name, 5
+        )
+    first.shutdown()
+    assert second.generate([prompt], _params("math"))[0].output_token_ids == _alone(
+        model, prompt, "math", 5
+    )
+    second.shutdown()
+    assert not any("hf_paged" in n for n, _ in model.named_buffers())
+
+
 def test_the_slot_buffers_leave_with_the_engine(peft_model):
     model = peft_model()
     names = {n for n, _ in model.named_buffers()}

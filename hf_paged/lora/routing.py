@@ -222,4 +222,7 @@ def route_adapters(model: torch.nn.Module, config, lease) -> LoraRouting | None:
     if lease.lora is None:
         graphs = config.cuda_graphs and next(model.parameters()).is_cuda
         lease.lora = LoraRouting(model, layers, config.max_loras, rank, graphs)
+    else:  # another Engine on the model: its slots are the ones the first Engine made
+        config.max_loras, config.max_lora_rank = lease.lora.max_loras, lease.lora.max_rank
+        lease.lora.graphs |= config.cuda_graphs and next(model.parameters()).is_cuda
     return lease.lora
