@@ -76,6 +76,13 @@ class EngineConfig:
     # "auto": k per step from the batch size and measured acceptance (spec_decode/policy.py);
     # "fixed": always num_speculative_tokens (a request's own limits aside)
     speculative_policy: str = "auto"
+    # Multi-LoRA (a PeftModel, hf_paged/lora): adapters are copied into this many slots of
+    # stacked device buffers on first use; more distinct adapters among live requests than
+    # slots is refused when a request is added (ValueError naming max_loras). docs/lora.md
+    max_loras: int = 8
+    # the largest adapter rank the slots hold (smaller ranks are zero-padded); None: the
+    # largest rank among the model's adapters at start-up
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
@@ -116,6 +123,8 @@ class EngineConfig:
             raise ValueError(
                 f"draft_model must be a transformers causal LM, got {type(self.draft_model)}"
             )
+        positive("max_loras", self.max_loras if self.max_loras is not None else 0)
+        positive("max_lora_rank", self.max_lora_rank)
         if (
             not isinstance(self.small_batch_rows, int)
             or isinstance(self.small_batch_rows, bool)

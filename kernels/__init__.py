@@ -13,6 +13,13 @@ from .decode_attention import decode_attention
 from .embedding import embed_tokens, embed_tokens_ref
 from .fused_gemv import fused_gemv, fused_gemv_ref
 from .kv_write import write_kv, write_kv_ref
+from .lora import (
+    lora_expand,
+    lora_expand_ref,
+    lora_segments,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from .paged_attention import paged_attention, paged_attention_ref
 from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
@@ -24,6 +31,11 @@ __all__ = [
     "embed_tokens_ref",
     "fused_gemv",
     "fused_gemv_ref",
+    "lora_expand",
+    "lora_expand_ref",
+    "lora_segments",
+    "lora_shrink",
+    "lora_shrink_ref",
     "norm_qkv_rope",
     "norm_qkv_rope_ref",
     "paged_attention",

@@ -97,6 +97,57 @@ def tiny_model():
     return build_model
 
 
+# LoRA adapters of the tiny Llama: name -> (rank, target modules, rslora); different ranks (one
+# not a power of two) and target sets, one with rank-stabilised scaling
+LORA_ADAPTERS = {
+    "math": (8, ["q_proj", "v_proj"], False),
+    "chat": (4, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+    "code": (3, ["o_proj", "down_proj"], False),
+}
+
+
+def build_peft_model(adapters=None, seed: int = 5):
+    """A PeftModel on the tiny Llama with these adapters (lora_dropout on: inference ignores
+    it), every lora_B drawn at random (peft starts it at zero: no effect)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = None
+    for name, (rank, targets, rslora) in (adapters or LORA_ADAPTERS).items():
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=targets,
+            lora_dropout=0.1,
+            use_rslora=rslora,
+        )
+        if model is None:
+            model = get_peft_model(build_model("llama"), cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    torch.manual_seed(seed)
+    randomize_lora_b(model)
+    return model.eval()
+
+
+def randomize_lora_b(model, name: str | None = None) -> None:
+    for module in model.modules():
+        if hasattr(module, "lora_B"):
+            for adapter, lin in module.lora_B.items():
+                if name is None or adapter == name:
+                    torch.nn.init.normal_(lin.weight, std=0.5)
+
+
+@pytest.fixture
+def peft_model():
+    pytest.importorskip("peft")
+    return build_peft_model
+
+
+@pytest.fixture
+def lora_b():
+    return randomize_lora_b
+
+
 def left_padded_batch(lengths: list[int], vocab: int = VOCAB, pad: int = 0, seed: int = 0):
     """input_ids/attention_mask with left padding; tokens avoid pad/eos/bos ids."""
     g = torch.Generator().manual_seed(seed)

@@ -12,31 +12,6 @@ from hf_paged import Engine, SamplingParams
 
 peft = pytest.importorskip("peft")
 
-ADAPTERS = {  # name -> (rank, target modules)
-    "math": (8, ["q_proj", "v_proj"]),
-    "chat": (4, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "code": (3, ["o_proj", "down_proj"]),  # a rank that is not a power of two
-}
-
-
-def _peft_model(tiny_model):
-    from peft import LoraConfig, get_peft_model
-
-    base = tiny_model("llama")
-    model = None
-    for k, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.1)
-        if model is None:
-            model = get_peft_model(base, cfg, adapter_name=name)
-        else:
-            model.add_adapter(name, cfg)
-    torch.manual_seed(5)
-    for module in model.modules():  # peft starts B at zero: give every adapter an effect
-        if hasattr(module, "lora_B"):
-            for lin in module.lora_B.values():
-                torch.nn.init.normal_(lin.weight, std=0.5)
-    return model.eval()
-
 
 def _alone(model, prompt: list[int], name: str | None, max_new: int) -> list[int]:
     """peft's own greedy generate with one adapter (or the base model)."""
@@ -55,15 +30,16 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_each_row_gets_its_own_adapter(tiny_model):
-    model = _peft_model(tiny_model)
+def test_each_row_gets_its_own_adapter(peft_model):
+    model = peft_model()
     prompts = _prompts([7, 19, 12, 30, 9])
     names = ["math", None, "chat", "code", "math"]
     want = [_alone(model, p, n, 8) for p, n in zip(prompts, names)]
     assert len({tuple(w) for w in want[:4]}) == 4  # the adapters change the output
     eng = Engine(model, max_num_batched_tokens=32)  # chunked prefill mixes adapters in steps
     params = [
-        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, adapter=n) for n in names
+        SamplingParams(max_tokens=8, temperature=0, adapter=n)
+        for n in names  # eos stops, as peft
     ]
     got = [o.output_token_ids for o in eng.generate(prompts, params)]
     assert got == want
@@ -73,8 +49,8 @@ def test_each_row_gets_its_own_adapter(tiny_model):
     assert not any("_hf_paged_peft_forward" in m.__dict__ for m in model.modules())
 
 
-def test_prefix_cache_is_shared_within_an_adapter_only(tiny_model):
-    model = _peft_model(tiny_model)
+def test_prefix_cache_is_shared_within_an_adapter_only(peft_model):
+    model = peft_model()
     prompt = _prompts([40], seed=3)[0]
     eng = Engine(model, block_size=8)
 
@@ -90,10 +66,10 @@ def test_prefix_cache_is_shared_within_an_adapter_only(tiny_model):
     eng.shutdown()
 
 
-def test_generate_adapter_names_as_peft(tiny_model):
+def test_generate_adapter_names_as_peft(peft_model):
     import hf_paged
 
-    model = _peft_model(tiny_model)
+    model = peft_model()
     prompts = _prompts([6, 6, 6], seed=4)
     names = ["chat", "__base__", "code"]
     want = [_alone(model, p, None if n == "__base__" else n, 5) for p, n in zip(prompts, names)]
@@ -104,11 +80,12 @@ def test_generate_adapter_names_as_peft(tiny_model):
         )
     finally:
         hf_paged.unpatch(model)
-    assert out[:, 6:].tolist() == want
+    # a row that ended at eos is padded (pad_token_id 0), as transformers pads it
+    assert out[:, 6:].tolist() == [w + [0] * (5 - len(w)) for w in want]
 
 
-def test_unknown_adapter_names_are_refused(tiny_model):
-    model = _peft_model(tiny_model)
+def test_unknown_adapter_names_are_refused(peft_model, tiny_model):
+    model = peft_model()
     eng = Engine(model)
     with pytest.raises(ValueError, match="adapter: unknown adapter 'zz'"):
         eng.add_request([1, 2, 3], SamplingParams(adapter="zz"))
@@ -122,19 +99,17 @@ def test_unknown_adapter_names_are_refused(tiny_model):
     plain.shutdown()
 
 
-def test_adapter_loaded_while_the_engine_runs(tiny_model):
+def test_adapter_loaded_while_the_engine_runs(peft_model, lora_b):
     from peft import LoraConfig
 
-    model = _peft_model(tiny_model)
+    model = peft_model()
     eng = Engine(model)
     prompt = _prompts([10], seed=6)[0]
     running = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, adapter="math"))
     eng.step()
     # k_proj: no adapter targeted it, so peft wraps new layers the engine must route too
     model.add_adapter("docs", LoraConfig(r=2, target_modules=["q_proj", "k_proj"]))
-    for module in model.modules():
-        if hasattr(module, "lora_B") and "docs" in module.lora_B:
-            torch.nn.init.normal_(module.lora_B["docs"].weight, std=0.5)
+    lora_b(model, "docs")
     late = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, adapter="docs"))
     outs = {}
     while eng.has_unfinished_requests():
@@ -144,3 +119,56 @@ def test_adapter_loaded_while_the_engine_runs(tiny_model):
     model.set_adapter("docs")
     assert outs[late] == _alone(model, prompt, "docs", 6)
     eng.shutdown()
+
+
+def test_pipeline_adapter_name(peft_model):
+    import transformers
+
+    import hf_paged
+    from hf_paged.testing import tiny_tokenizer
+
+    model, tok = peft_model(), tiny_tokenizer()
+    texts = ["hello there", "the quick brown fox"]
+    gen = dict(max_new_tokens=6, do_sample=False)
+    ref = transformers.pipeline("text-generation", model=model, tokenizer=tok)
+    model.set_adapter("chat")
+    want_chat = ref(texts, **gen)
+    with model.disable_adapter():
+        want_base = ref(texts, **gen)
+    assert want_chat != want_base
+    pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok)
+    try:
+        model.set_adapter("math")  # the engine's choice is per call, not peft's active adapter
+        assert pipe(texts, adapter_name="chat", **gen) == want_chat
+        assert pipe(texts, adapter_names=["__base__", "__base__"], **gen) == want_base
+        assert pipe(texts[0], adapter_name="chat", **gen) == want_chat[0]
+        with pytest.raises(ValueError, match="adapter_name: give adapter_name or"):
+            pipe(texts, adapter_name="chat", adapter_names=["chat", "chat"], **gen)
+    finally:
+        hf_paged.unpatch(model)
+
+
+def test_generate_without_adapter_names_runs_peft_active_adapter(peft_model):
+    import hf_paged
+
+    model = peft_model()
+    prompts = _prompts([7, 7], seed=11)
+    model.set_adapter("code")
+    want = [_alone(model, p, "code", 5) for p in prompts]
+    base = [_alone(model, p, None, 5) for p in prompts]
+    assert want != base
+    model.set_adapter("code")
+    hf_paged.patch(model)
+    try:
+        out = model.generate(input_ids=torch.tensor(prompts), max_new_tokens=5, do_sample=False)
+        with model.disable_adapter():  # peft's base model: no adapter for the engine either
+            out_base = model.generate(
+                input_ids=torch.tensor(prompts), max_new_tokens=5, do_sample=False
+            )
+        with pytest.raises(ValueError, match="num_beams: beam search with a LoRA adapter"):
+            model.generate(input_ids=torch.tensor(prompts), max_new_tokens=2, num_beams=2)
+    finally:
+        hf_paged.unpatch(model)
+    # rows that ended at eos are padded (pad_token_id 0)
+    assert out[:, 7:].tolist() == [w + [0] * (5 - len(w)) for w in want]
+    assert out_base[:, 7:].tolist() == [w + [0] * (5 - len(w)) for w in base]

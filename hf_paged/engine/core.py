@@ -22,18 +22,24 @@ from hf_paged.worker.model_runner import ModelRunner
 
 
 class EngineCore:
-    def __init__(self, model, config: EngineConfig, lora: bool = False, tokenizer=None) -> None:
+    def __init__(self, model, config: EngineConfig, lora=None, tokenizer=None) -> None:
         self.config = config
         reserved = 0
         if config.draft_model is not None:  # its KV shares the target's block ids
             check_draft(config.draft_model, model)
             reserved = draft_bytes_per_block(config.draft_model, config)
-        self.runner = ModelRunner(model, config, lora=lora, reserved_bytes_per_block=reserved)
+        self.runner = ModelRunner(
+            model, config, lora=lora is not None, reserved_bytes_per_block=reserved
+        )
         try:
             self.runner.spec = build_spec_decoder(self.runner, config)
         except BaseException:
             self.runner.shutdown()
             raise
+        # a PeftModel's hf_paged.lora.routing.LoraRouting: each step's adapters get their slots
+        self.lora = lora
+        if lora is not None:
+            lora.attach(self.runner.input_batch)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

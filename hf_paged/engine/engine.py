@@ -24,7 +24,7 @@ from hf_paged.engine.stream import RequestStream, StreamRouter
 from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.integrations.fused_projections import fuse_projections
-from hf_paged.lora import layers as lora
+from hf_paged.lora import routing as lora
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
 
@@ -74,7 +74,7 @@ class Engine:
         # before compile and graph capture see the model; put back by the last Engine on it
         self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
         self._lease.fused |= self.num_fused_projections > 0
-        self.core = core = EngineCore(model, config, routing is not None, self.tokenizer)
+        self.core = core = EngineCore(model, config, routing, self.tokenizer)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
         # the start-up check's relative logits error (verify.py); None when off
@@ -88,7 +88,7 @@ class Engine:
             self.kv.num_blocks,
             self.runner.device,
             getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-            routing.adapters if routing is not None else None,
+            routing.check if routing is not None else None,
         )
         self._streams = StreamRouter()  # request id -> the stream its outputs go to
         self._queued: list[RequestOutput] = []  # final outputs of aborts, reported by step()
@@ -134,15 +134,16 @@ class Engine:
 
     def _submit(self, requests: list[Request], action, stream=None) -> None:
         ids = [r.request_id for r in requests]
-        if stream is None:
-            self._inbox.submit(ids, action, self.scheduler.requests)
-            return
-        self._streams.register(ids, stream)  # before the admission: no output may miss it
-        try:
-            self._inbox.submit(ids, action, self.scheduler.requests)
-        except ValueError:
-            self._streams.unregister(ids, stream)
-            raise
+        with lora.admitting(self.core.lora, requests, self._inbox, self.scheduler.requests):
+            if stream is None:
+                self._inbox.submit(ids, action, self.scheduler.requests)
+                return
+            self._streams.register(ids, stream)  # before the admission: no output may miss it
+            try:
+                self._inbox.submit(ids, action, self.scheduler.requests)
+            except ValueError:
+                self._streams.unregister(ids, stream)
+                raise
 
     def _admit(self, requests: list[Request]) -> None:
         parent = requests[0]

@@ -27,7 +27,7 @@ class InputProcessor:
         num_kv_blocks: int,
         device: torch.device,
         default_eos: int | list[int] | None,  # the model's generation_config.eos_token_id
-        lora_adapters=None,
+        lora_check=None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -36,8 +36,9 @@ class InputProcessor:
         self.device = device
         eos = default_eos
         self.default_eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        # () -> the LoRA adapter names the model has now; None: a model without LoRA
-        self.lora_adapters = lora_adapters
+        # (adapter name) -> None, or ValueError naming the field (hf_paged.lora.routing
+        # LoraRouting.check); None: a model without LoRA
+        self.lora_check = lora_check
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -157,11 +158,9 @@ class InputProcessor:
         name = params.adapter
         if name is None:
             return
-        if self.lora_adapters is None:
+        if self.lora_check is None:
             raise ValueError(f"adapter: {name!r} given, but the model has no LoRA adapters")
-        known = self.lora_adapters()
-        if name not in known:
-            raise ValueError(f"adapter: unknown adapter {name!r}; the model has {sorted(known)}")
+        self.lora_check(name)
 
 
 def _check_vocab(params: SamplingParams, vocab_size: int) -> None:

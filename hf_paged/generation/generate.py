@@ -38,6 +38,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_paged.generation.streaming import LockstepStreamer
+from hf_paged.lora import layers as lora_layers
 from hf_paged.sampling_params import SamplingParams
 
 # generate() keyword arguments the engine does not implement: refused, never ignored.
@@ -239,6 +240,8 @@ class GenerationPlan:
     eos: list[int]
     # peft's generate(adapter_names=[...]): one LoRA adapter per row, "__base__" for none
     adapter_names: list[str] | None = None
+    # without adapter_names, peft runs its active adapter on every row: so does the engine
+    active_adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -315,9 +318,16 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
         )
     if adapter_names is not None and (gen.num_beams or 1) > 1:
         raise ValueError("adapter_names with num_beams > 1 is not supported by hf_paged yet")
+    active = None if adapter_names is not None else lora_layers.active_adapter(model)
+    if active is not None and (gen.num_beams or 1) > 1:
+        raise ValueError(
+            f"num_beams: beam search with a LoRA adapter (the PeftModel's active adapter "
+            f"{active!r}) is not supported by hf_paged yet"
+        )
     return GenerationPlan(
-        gen, processors, criteria, streamer, has_default_max_length, pad, eos, adapter_names
-    )
+        gen, processors, criteria, streamer, has_default_max_length, pad, eos, adapter_names,
+        active,
+    )  # fmt: skip
 
 
 def prepare_rows(model, plan: GenerationPlan, input_ids, attention_mask) -> RowBatch:
@@ -373,6 +383,8 @@ def prepare_rows(model, plan: GenerationPlan, input_ids, attention_mask) -> RowB
     params = None
     if (gen.num_beams or 1) == 1:
         params = sampling_params_from_config(gen, max_new, min_new, plan.processors, plan.criteria)
+        if plan.active_adapter is not None:
+            params = dataclasses.replace(params, adapter=plan.active_adapter)
     return RowBatch(input_ids, prompts, params, max_new, min_new)
 
 

@@ -49,6 +49,11 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
     def _run_many(self, items, preprocess_params, forward_params, postprocess_params) -> list:
         model_inputs = [self.preprocess(item, **preprocess_params) for item in items]
         generate_kwargs = dict(forward_params)
+        adapter = generate_kwargs.pop("adapter_name", None)
+        if adapter is not None:  # a PeftModel's LoRA adapter for every input of the call
+            if "adapter_names" in generate_kwargs:
+                raise ValueError("adapter_name: give adapter_name or adapter_names, not both")
+            generate_kwargs["adapter_names"] = [adapter] * len(model_inputs)
         prefix_length = generate_kwargs.pop("prefix_length", 0)
         generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
         if prefix_length:  # as transformers: a total length includes the prefix

@@ -1,12 +1,15 @@
 """Per-token LoRA on peft's own layers: each LoRA Linear of a PeftModel computes
-base_layer(x) + B_a(A_a(x)) * scaling_a for the tokens of the requests that chose adapter a.
+base_layer(x) + B_a(A_a(x)) * scaling_a for every token, a being the adapter of that token's
+request.
 
 peft's mixed-batch forward (`adapter_names=`) splits a padded batch by rows; the engine's batch is
-one flat row of tokens from many requests, so the split is by token: the runner puts each
-adapter's token indices in the forward context, and every LoRA layer gathers those tokens, applies
-the adapter and adds the result back, with peft's arithmetic (so a request's tokens are the ones
-peft gives with that adapter alone). The base weights and the adapters stay where peft keeps them:
-adapters loaded with `load_adapter` after the engine started are usable at once.
+one flat row of tokens from many requests, so the split is by token: the runner puts each token's
+adapter slot in the forward context (hf_paged.lora.batch.LoraBatch), and every LoRA layer adds
+x @ A[slot]^T @ B[slot]^T * scale[slot] from its stacked buffers (hf_paged.lora.slots) through
+one custom op: the Triton shrink/expand kernels on CUDA (kernels/lora.py), their torch refs
+elsewhere. The op's shapes depend on the token count only, and torch.compile sees one opaque call
+(no data-dependent gather, no graph break), so the LoRA path runs compiled. The base weights are
+never touched; peft keeps its adapters, the slots hold copies.
 
 Outside an engine step (a plain forward of the model) the layer runs peft's own forward.
 """
@@ -14,13 +17,16 @@ Outside an engine step (a plain forward of the model) the layer runs peft's own 
 from __future__ import annotations
 
 import types
-import warnings
 
 import torch
 
+from hf_paged.lora.slots import SCALE, A, B
 from hf_paged.worker.forward_context import get_forward_context, in_engine_step
 
 _ORIGINAL = "_hf_paged_peft_forward"
+# The Triton kernels run on CUDA tensors; None: there only. Tests set True to run them in
+# Triton's CPU interpreter inside an engine step.
+USE_KERNELS: bool | None = None
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -47,6 +53,12 @@ def check_supported(model: torch.nn.Module, layers: dict[str, torch.nn.Module]) 
             raise ValueError(
                 f"model: a LoRA adapter on the output layer ({name}) is not supported (the engine "
                 "computes logits for sampled rows only)"
+            )
+        biased = [a for a, on in (getattr(layer, "lora_bias", {}) or {}).items() if on]
+        if biased:
+            raise ValueError(
+                f"model: adapter(s) {sorted(biased)} on {name} have a bias in lora_B "
+                "(lora_bias=True); hf_paged supports plain LoRA"
             )
         variants = getattr(layer, "lora_variant", {}) or {}
         dora = [a for a, on in (getattr(layer, "use_dora", {}) or {}).items() if on]
@@ -78,33 +90,52 @@ def _paged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not in_engine_step() or self.disable_adapters or self.merged:
         return self.__dict__[_ORIGINAL](x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
-    groups = get_forward_context().lora_groups
-    if not groups:
-        return result
-    dtype = result.dtype
-    for name, index in groups:
-        if name not in self.lora_A:  # this adapter does not target this layer
-            continue
-        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-        # x: [1, T, in], the step's flat batch; dropout is off in eval, as in peft's inference
-        sub = x.index_select(-2, index).to(lora_a.weight.dtype)
-        delta = lora_b(lora_a(sub)) * self.scaling[name]
-        result = result.index_add(-2, index, delta.to(dtype))
+    lora_add_(result, x, getattr(self, A), getattr(self, B), getattr(self, SCALE))
     return result
 
 
+@torch.library.custom_op("hf_paged::lora_add_", mutates_args=("y",))
+def lora_add_(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """y += x @ A[slot]^T @ B[slot]^T * scale[slot] for each token of the step with an adapter
+    (the forward context's LoRA batch; none: nothing to add). y [..., T, out], x [..., T, in]."""
+    ctx = get_forward_context()
+    batch = ctx.lora_groups if ctx is not None else None
+    if batch is None:
+        return
+    flat_y = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
+    flat_x = x.reshape(-1, x.shape[-1])
+    if y.is_cuda if USE_KERNELS is None else USE_KERNELS:
+        from hf_paged.kernels.lora import lora_expand, lora_shrink
+
+        segments = (batch.sorted_tokens, batch.slot_start)
+        lora_expand(flat_y, lora_shrink(flat_x, a, *segments), b, scale, *segments)
+    else:
+        from hf_paged.kernels.lora import lora_expand_ref, lora_shrink_ref
+
+        slots = batch.token_slots
+        flat_y.copy_(lora_expand_ref(flat_y, lora_shrink_ref(flat_x, a, slots), b, scale, slots))
+    if flat_y.data_ptr() != y.data_ptr() or not y.is_contiguous():
+        y.copy_(flat_y.view(y.shape))
+
+
+@lora_add_.register_fake
+def _(y, x, a, b, scale) -> None:
+    return None
+
+
 def restrict_config(config) -> list[str]:
-    """The per-token path gathers each adapter's tokens by data-dependent indices, which a CUDA
-    graph cannot replay and the small-batch forward (its own fused weights) does not apply: with
-    LoRA layers the engine runs without them (and without torch.compile). Returns what it turned
-    off."""
+    """What the LoRA path does not cover yet, turned off: the small-batch forward (its own fused
+    weights) applies no adapter, and a fused q/k/v or gate/up group (of layers no adapter
+    targets) would make peft refuse an adapter loaded later on one of them ("Target module
+    ProjectionSlice() is not supported"). torch.compile and CUDA graphs stay: the LoRA add is
+    one opaque op of static shapes whose per-token slots are graph inputs. Returns what it
+    turned off."""
     off = []
-    if config.cuda_graphs:
-        config.cuda_graphs = False
-        off.append("cuda_graphs")
-    if config.compile:
-        config.compile = False
-        off.append("compile")
+    if config.fuse_projections:
+        config.fuse_projections = False
+        off.append("fuse_projections")
     if config.small_batch_rows:
         config.small_batch_rows = 0
         off.append("small_batch_rows")
@@ -116,49 +147,15 @@ def adapter_names(model: torch.nn.Module) -> set[str]:
     return set(getattr(model, "peft_config", {}) or {})
 
 
-class LoraRouting:
-    """The model's LoRA layers routed per token while an engine holds the model. Adapters added
-    after start-up (peft's load_adapter / add_adapter) may bring new LoRA layers: the first
-    request that names an adapter not seen before routes them (before it is admitted, so no
-    step runs that adapter's tokens through an unrouted layer; an unrouted layer computes the
-    base output for every other adapter, as it holds none of their weights)."""
-
-    def __init__(self, model: torch.nn.Module, layers: dict[str, torch.nn.Module]) -> None:
-        self.model = model
-        self.layers = dict(layers)
-        self._seen = adapter_names(model)
-        install(self.layers)
-
-    def adapters(self) -> set[str]:
-        names = adapter_names(self.model)
-        if names - self._seen:
-            found = lora_layers(self.model)
-            new = {k: v for k, v in found.items() if k not in self.layers}
-            check_supported(self.model, found)
-            install(new)
-            self.layers.update(new)
-            self._seen = names
-        return names
-
-    def close(self) -> None:
-        uninstall(self.layers)
-
-
-def route_adapters(model: torch.nn.Module, config, lease) -> LoraRouting | None:
-    """An Engine starting on the model: if it has LoRA layers, check them, fit the options to
-    the per-token path (warning when that turns something off on a GPU) and route the layers,
-    once per model (lease: the model's ModelLease; its last owner puts the layers back)."""
-    layers = lora_layers(model)
-    if not layers:
+def active_adapter(model: torch.nn.Module) -> str | None:
+    """The adapter peft's own forward would apply now: a PeftModel's one active LoRA adapter,
+    unless its adapters are disabled (peft's disable_adapter()); None otherwise."""
+    if not adapter_names(model):
         return None
-    check_supported(model, layers)
-    off = restrict_config(config)
-    if off and next(model.parameters()).is_cuda:  # (off the GPU they never run)
-        warnings.warn(
-            f"hf_paged: LoRA adapters run without {', '.join(off)} for now",
-            RuntimeWarning,
-            stacklevel=5,
-        )
-    if lease.lora is None:
-        lease.lora = LoraRouting(model, layers)
-    return lease.lora
+    active = getattr(model, "active_adapters", None)
+    if not isinstance(active, list) or len(active) != 1 or active[0] not in adapter_names(model):
+        return None
+    layer = next(iter(lora_layers(model).values()), None)
+    if layer is None or layer.disable_adapters:
+        return None
+    return active[0]

@@ -108,7 +108,7 @@ class CudaGraphRunner:
             (kind, size): size if kind == "decode" else self._kept_rows(size) for kind, size in keys
         }
         width = runner.input_batch.max_blocks_per_seq
-        self.inputs = PackedGraphInputs(rows, width, dev, runner.block_size)
+        self.inputs = PackedGraphInputs(rows, width, dev, runner.block_size, lora=runner.lora)
         pin = dev.type == "cuda"
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
@@ -163,7 +163,14 @@ class CudaGraphRunner:
                 max_seq_len=self.max_model_len,
                 min_query_len=None,  # so the decode-shaped launch always runs
             )
-        return ForwardContext(meta, self.runner.kv_caches, self.runner.backend)
+        ctx = ForwardContext(meta, self.runner.kv_caches, self.runner.backend)
+        if self.runner.lora:  # LoRA: each token's adapter slot, grouped by slot in the graph
+            from hf_paged.kernels.lora import lora_segments
+            from hf_paged.lora.batch import LoraBatch
+
+            slots = v["lora_slots"]
+            ctx.lora_groups = LoraBatch(slots, *lora_segments(slots, self.runner.config.max_loras))
+        return ctx
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         v = self.inputs[(kind, size)]

@@ -98,9 +98,9 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) [N, B, Hkv, D]
     backend: object  # hf_paged.worker.attention.AttentionBackend
-    # LoRA (hf_paged.lora): (adapter name, int64 token indices into the flat batch) per adapter
-    # used by this step's tokens; None when no token has one
-    lora_groups: list[tuple[str, torch.Tensor]] | None = None
+    # LoRA (hf_paged.lora.batch.LoraBatch): each token's adapter slot; None when no token of
+    # the step has an adapter
+    lora_groups: object | None = None
 
 
 _CONTEXT: ForwardContext | None = None

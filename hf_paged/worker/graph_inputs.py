@@ -37,9 +37,10 @@ PACKED_TABLE_BYTES = 16384
 GraphKey = tuple[str, int]  # ("decode", batch bucket) or ("mixed", token bucket)
 
 
-def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0):
+def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0, lora: bool = False):
     """A graph's packed per-step inputs: (name -> (byte offset, dtype, length), total bytes),
-    every field 8-byte aligned. table_width > 0: the block table rows too ([seqs, width])."""
+    every field 8-byte aligned. table_width > 0: the block table rows too ([seqs, width]);
+    lora: each token's LoRA adapter slot too."""
     fields = [
         ("input_ids", torch.long, tokens),  # from the host (tokens it already has)
         ("rows", torch.long, tokens),  # InputBatch row of each token: last_tokens[row]
@@ -55,6 +56,8 @@ def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0):
         fields += [("host_slot", torch.long, 1), ("sent_pos", torch.long, tokens)]
     if table_width:
         fields += [("block_table", torch.int32, seqs * table_width)]
+    if lora:  # -1: no adapter (hf_paged/lora/batch.py)
+        fields += [("lora_slots", torch.int32, tokens)]
     layout, offset = {}, 0
     for name, dtype, length in fields:
         layout[name] = (offset, dtype, length)
@@ -68,7 +71,7 @@ def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0):
 # token, pending False, so the embedding kernel never reads last_tokens[-1] and
 # PendingTokens.resolve's torch gather, which wraps -1 to the last row, discards it);
 # everything else 0 (keep row 0)
-_PAD = {"slot_mapping": -1, "seq_lens": 1, "rows": -1}
+_PAD = {"slot_mapping": -1, "seq_lens": 1, "rows": -1, "lora_slots": -1}
 
 
 def _views(buf: torch.Tensor, layout: dict, table_width: int) -> dict[str, torch.Tensor]:
@@ -81,10 +84,16 @@ def _views(buf: torch.Tensor, layout: dict, table_width: int) -> dict[str, torch
 class PackedGraphInputs:
     """Every graph's static inputs on the device (`inputs[key]`: name -> view) and their per-step
     refill from the host. graphs: each graph's key -> its number of sequence rows; table_width:
-    the block table's columns (max_blocks_per_seq)."""
+    the block table's columns (max_blocks_per_seq); lora: the model has LoRA layers (each
+    token's adapter slot is an input)."""
 
     def __init__(
-        self, graphs: dict[GraphKey, int], table_width: int, device: torch.device, block_size: int
+        self,
+        graphs: dict[GraphKey, int],
+        table_width: int,
+        device: torch.device,
+        block_size: int,
+        lora: bool = False,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -95,7 +104,9 @@ class PackedGraphInputs:
         packed = {}
         for (kind, size), rows in graphs.items():
             in_packed = rows * table_width * 4 <= PACKED_TABLE_BYTES
-            packed[(kind, size)] = _packed_layout(kind, size, rows, table_width if in_packed else 0)
+            packed[(kind, size)] = _packed_layout(
+                kind, size, rows, table_width if in_packed else 0, lora
+            )
         self.layouts = {key: layout for key, (layout, _) in packed.items()}
         self.nbytes = {key: nbytes for key, (_, nbytes) in packed.items()}
         nbytes = max(self.nbytes.values())
@@ -192,6 +203,9 @@ class PackedGraphInputs:
         ):
             h[name][:count] = values
             h[name][count:] = _PAD.get(name, 0)
+        if "lora_slots" in h:
+            h["lora_slots"][:count] = -1 if step.lora_slots is None else step.lora_slots
+            h["lora_slots"][count:] = -1
         h["seq_lens"][:batch] = step.seq_lens
         h["seq_lens"][batch:] = _PAD["seq_lens"]
         packed_table = h.get("block_table")

@@ -59,6 +59,9 @@ class InputBatch:
         self.sampling: list[SamplingRow | None] = [None] * max_num_reqs
         self.adapter: list[str | None] = [None] * max_num_reqs  # LoRA adapter of each row
         self.max_total = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + max new tokens
+        # a PeftModel's engine: its hf_paged.lora.routing.LoraRouting, which gives each step's
+        # adapters their slots
+        self.lora = None
         self.penalty_counts = TokenCountPool(device)  # rows of requests with a penalty
         self.req_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))

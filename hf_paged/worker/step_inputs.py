@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hf_paged.core.outputs import ScheduledBatch
+from hf_paged.lora.batch import LoraBatch, lora_batch
 from hf_paged.worker.forward_context import AttentionMetadata, PendingTokens
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
@@ -45,6 +46,8 @@ class StepInputs:
     # speculative decoding: proposals scheduled after each request's known tokens (the step
     # computes them too, and a request samples when it reaches the end of them); None: none
     num_spec: np.ndarray | None = None
+    # a PeftModel's engine: each token's LoRA adapter slot (-1: none); None without LoRA
+    lora_slots: np.ndarray | None = None  # int32 [num_tokens]
 
 
 def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> StepInputs:
@@ -93,7 +96,18 @@ def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> St
         any_logprobs=bool(ib.prompt_logprobs[rows].any()),
         features=int(np.bitwise_or.reduce(ib.features[rows])),
         num_spec=num_spec,
+        lora_slots=None if ib.lora is None else _lora_slots(rows, num_sched, ib),
     )
+
+
+def _lora_slots(rows: np.ndarray, num_sched: np.ndarray, ib: InputBatch) -> np.ndarray:
+    """Each token's adapter slot, the step's adapters copied into slots where they are not
+    (hf_paged.lora.routing.LoraRouting.slots_for)."""
+    names = [ib.adapter[row] for row in rows.tolist()]
+    used = {n for n in names if n is not None}
+    slot_of = ib.lora.slots_for(used) if used else {}
+    seq_slots = np.array([-1 if n is None else slot_of[n] for n in names], dtype=np.int32)
+    return np.repeat(seq_slots, num_sched)
 
 
 def attention_metadata(
@@ -194,19 +208,9 @@ def kept_rows(step: StepInputs, ib: InputBatch) -> KeptRows:
     return out
 
 
-def lora_groups(
-    step: StepInputs, ib: InputBatch, device: torch.device
-) -> list[tuple[str, torch.Tensor]] | None:
-    """(adapter name, token indices into the flat batch) per LoRA adapter of the step's
-    requests; None when none has one."""
-    names = [ib.adapter[row] for row in step.rows.tolist()]
-    used = {n for n in names if n is not None}
-    if not used:
+def lora_groups(step: StepInputs, ib: InputBatch, device: torch.device) -> LoraBatch | None:
+    """The step's LoRA batch (hf_paged.lora): each token's adapter slot; None when no token of
+    the step has an adapter."""
+    if step.lora_slots is None or not (step.lora_slots >= 0).any():
         return None
-    seq_of_token = np.repeat(np.arange(len(names)), step.num_sched)
-    groups = []
-    for name in sorted(used):
-        seqs = [i for i, n in enumerate(names) if n == name]
-        index = np.flatnonzero(np.isin(seq_of_token, seqs))
-        groups.append((name, to_device(index, device)))
-    return groups
+    return lora_batch(step.lora_slots, ib.lora.max_loras, device)
