@@ -29,10 +29,10 @@ import triton.language as tl
 
 from hf_paged.worker.forward_context import AttentionMetadata
 
-from .attention_common import _accumulate_pv, _softmax_step
+from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
 from .attention_config import AttentionConfig, choose_decode_num_kv_splits, decode_config
 from .fused_gemv import gdc_launch_dependents, gdc_wait
-from .paged_attention import _check_attention_args, _shared_launch_args
+from .paged_attention import _check_attention_args, _shared_launch_args, sinks_for_kernel
 from .split_kv_reduce import _reduce_splits, _split_workspace
 
 
@@ -60,6 +60,7 @@ def _decode_attention_kernel(
     block_table_ptr,  # int32 [T, max_blocks]
     seq_lens_ptr,  # int32 [T]
     num_splits,
+    sinks_ptr,  # f32 [Hq] attention sinks (SINKS only)
     scale,
     softcap,
     sliding_window,
@@ -88,6 +89,7 @@ def _decode_attention_kernel(
     SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -154,9 +156,11 @@ def _decode_attention_kernel(
     k = tl.where(fresh, tl.load(new_k_ptr, mask=d_mask, other=0.0)[None, :], k)
     v = tl.where(fresh, tl.load(new_v_ptr, mask=d_mask, other=0.0)[None, :], v)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # rows past the GQA group are padding (never stored): their sink is read from a real head
+    sink_head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    acc, l_i, m_i = _init_softmax_state(
+        sinks_ptr, sink_head, split_id, BLOCK_M, HEAD_DIM_PAD, SINKS, SPLIT
+    )
     if t_lo < t_hi:
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, k, v, k_ok & (k_idx >= kv_lo), scale, softcap,
@@ -215,6 +219,7 @@ def decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     *,
+    sinks: torch.Tensor | None = None,  # [Hq]: attention sinks, as in paged_attention
     num_kv_splits: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:  # [num_seqs, Hq, D]
@@ -222,6 +227,7 @@ def decode_attention(
     is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
     num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention."""
     _check_attention_args(query, key_cache, value_cache, meta, None)
+    sinks = sinks_for_kernel(sinks, query)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
     if meta.max_query_len != 1 or num_tokens != num_seqs:
@@ -243,7 +249,7 @@ def decode_attention(
     ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_pad)
     args, kwargs = _shared_launch_args(
         query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, head_dim_pad, scale,
-        sliding_window, softcap, cfg, pdl,
+        sliding_window, softcap, sinks, cfg, pdl,
     )  # fmt: skip
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         out,

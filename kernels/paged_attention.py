@@ -56,6 +56,7 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]: a per-head logit in the softmax denominator
 ) -> torch.Tensor:  # [T, Hq, D]
     """Pure-torch reference (and the CPU backend). One sequence at a time, softmax in float32.
 
@@ -63,6 +64,9 @@ def paged_attention_ref(
     q_len of its seq_len tokens; new token at absolute position p attends to keys k <= p, and with
     a sliding window W only to keys k > p - W (W tokens including itself, as transformers does).
     Softcapping applies cap * tanh(score / cap) to the scaled scores before masking.
+    Attention sinks (gpt-oss's s_aux) join the softmax as one more logit per query head, with a
+    value of zeros: weights exp(s_j) / (sum_k exp(s_k) + exp(sink)), as transformers' eager
+    attention computes them by concatenating the sink column and dropping it after the softmax.
     Tokens that no sequence owns (past query_start_loc[-1]) get zeros.
     """
     _, num_q_heads, head_dim = query.shape
@@ -93,10 +97,32 @@ def paged_attention_ref(
         if sliding_window is not None and sliding_window > 0:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.float().reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, q_len, D]
         out[start:end] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(out.dtype)
     return out
+
+
+def sinks_for_kernel(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """Attention sinks checked against the query's heads, as the kernels read them: float32,
+    contiguous (a no-op for gpt-oss-style float32 parameters)."""
+    if sinks is None:
+        return None
+    num_q_heads = query.shape[1]
+    if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
+        raise ValueError(
+            f"sinks must be [num_q_heads={num_q_heads}], one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device}, query on {query.device}")
+    return sinks.to(torch.float32).contiguous()
 
 
 def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
@@ -177,6 +203,7 @@ def paged_attention(
     softcap: float | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], written in full
     *,
+    sinks: torch.Tensor | None = None,  # [Hq], any float dtype: attention sinks (s_aux)
     num_kv_splits: int | None = None,
     config: AttentionConfig | None = None,
     pdl: bool = False,
@@ -195,6 +222,7 @@ def paged_attention(
     kernel after this one may be scheduled (and prefetch its weights) while attention runs.
     """
     _check_attention_args(query, key_cache, value_cache, meta, out)
+    sinks = sinks_for_kernel(sinks, query)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -215,6 +243,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            sinks,
             out,
             config,
             num_kv_splits or 1,
@@ -238,6 +267,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            sinks,
             out,
             dec,
             splits,
@@ -259,6 +289,7 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        sinks,
         out,
         pre,
         1,
@@ -277,6 +308,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            sinks,
             out,
             dec,
             1,
@@ -296,6 +328,7 @@ def _launch(
     scale,
     sliding_window,
     softcap,
+    sinks,
     out,
     cfg: AttentionConfig,
     num_splits: int,
@@ -322,7 +355,7 @@ def _launch(
     ws_o, ws_lse = _split_workspace(query, out, num_splits, head_dim_pad)
     args, kwargs = _shared_launch_args(
         query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, head_dim_pad, scale,
-        sliding_window, softcap, cfg, pdl,
+        sliding_window, softcap, sinks, cfg, pdl,
     )  # fmt: skip
     _paged_attention_kernel[grid](
         out,
@@ -352,11 +385,11 @@ def _launch(
 
 def _shared_launch_args(
     query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, head_dim_pad, scale,
-    sliding_window, softcap, cfg: AttentionConfig, pdl: bool,
+    sliding_window, softcap, sinks, cfg: AttentionConfig, pdl: bool,
 ):  # fmt: skip
     """What both attention kernels (paged_attention_kernel's, decode_attention's) take alike: the
-    positional run from scale to the workspace strides, then the shared constexprs and launch
-    options."""
+    positional run from the sinks pointer to the workspace strides, then the shared constexprs
+    and launch options."""
     head_dim = query.shape[2]
     sliding = sliding_window is not None and sliding_window > 0
     capped = softcap is not None and softcap > 0
@@ -365,6 +398,7 @@ def _shared_launch_args(
     # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
     upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
     args = (
+        query if sinks is None else sinks,  # any pointer when SINKS is off: never read
         float(scale),
         float(softcap) if capped else 1.0,
         int(sliding_window) if sliding else 0,
@@ -395,6 +429,7 @@ def _shared_launch_args(
         SPLIT=split,
         SLIDING=sliding,
         SOFTCAP=capped,
+        SINKS=sinks is not None,
         # float32 inputs: true fp32 products (tf32 would cost ~1e-3 relative error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,

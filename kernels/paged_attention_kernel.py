@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_common import _accumulate_pv, _softmax_step
+from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 
 
@@ -140,6 +140,7 @@ def _paged_attention_kernel(
     num_tokens,
     num_tile_programs,  # programs [0, num_tile_programs) compute, the rest zero-fill
     num_splits,
+    sinks_ptr,  # f32 [Hq] attention sinks (SINKS only)
     scale,
     softcap,
     sliding_window,
@@ -173,6 +174,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (see kernels/fused_gemv.py)
@@ -266,9 +268,9 @@ def _paged_attention_kernel(
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt_s
     offs_n = tl.arange(0, BLOCK_N)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _init_softmax_state(
+        sinks_ptr, head, split_id, BLOCK_M, HEAD_DIM_PAD, SINKS, SPLIT
+    )
     if SLIDING:
         for t in range(t_lo, t_full_lo):  # window's lower edge
             acc, l_i, m_i = _attend_kv_tile(

@@ -61,6 +61,18 @@ ARCHITECTURES = {
         "GPTNeoXForCausalLM",
         {"rotary_pct": 0.5, "num_key_value_heads": 4},
     ),
+    # attention sinks (s_aux), alternating sliding-window layers, MoE
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 20,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
     # differential attention, two attention calls per layer: refused by the start-up check
     # (hf_paged/engine/verify.py), so not in the parity lists
     "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),

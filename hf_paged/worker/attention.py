@@ -38,6 +38,7 @@ class AttentionBackend:
         sliding_window: int | None,
         softcap: float | None,
         pdl: bool = False,  # programmatic dependent launch (Triton on Hopper); others ignore it
+        sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss's s_aux)
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -54,12 +55,21 @@ class TorchBackend(AttentionBackend):
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
-        self, query, key_cache, value_cache, meta, scale, sliding_window, softcap, pdl=False
+        self,
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        pdl=False,
+        sinks=None,
     ):
         from hf_paged.kernels import paged_attention_ref
 
         return paged_attention_ref(
-            query, key_cache, value_cache, meta, scale, sliding_window, softcap
+            query, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks
         )
 
 
@@ -80,7 +90,16 @@ class TritonBackend(AttentionBackend):
         self._kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
-        self, query, key_cache, value_cache, meta, scale, sliding_window, softcap, pdl=False
+        self,
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        pdl=False,
+        sinks=None,
     ):
         return self._kernels.paged_attention(
             query,
@@ -90,6 +109,7 @@ class TritonBackend(AttentionBackend):
             scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
             pdl=pdl,
         )
 
@@ -123,6 +143,19 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if not in_engine_step():  # a patched model called directly: exactly transformers' sdpa
+        if kwargs.get("s_aux") is not None:  # sdpa would drop the sinks: the model's own eager
+            q_len, k_len = query.shape[2], key.shape[2]
+            if attention_mask is None and q_len > 1:  # sdpa's mask skipped for is_causal
+                causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device)
+                attention_mask = causal.tril(k_len - q_len)[None, None]
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                # paged_mask built sdpa's boolean mask; eager attention adds a float one
+                zero = torch.zeros((), dtype=query.dtype, device=query.device)
+                attention_mask = zero.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+            return _eager_with_sinks(module)(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                sliding_window=sliding_window, softcap=softcap, **kwargs,
+            )  # fmt: skip
         return sdpa_attention_forward(
             module,
             query,
@@ -145,6 +178,8 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else 0.0
+    # attention sinks (gpt-oss and kin pass them as s_aux): one extra softmax logit per head
+    sinks = kwargs.get("s_aux")
     # compile_scope="layers" registers the layer index as a CPU tensor buffer: as a Python int it
     # would be a constant guarded per layer, and compiled decoder layers would compile once per
     # layer instead of sharing one graph (hf_paged/worker/compilation.py).
@@ -154,18 +189,38 @@ def paged_attention_forward(
         raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
     if not torch.compiler.is_compiling():
         layer = int(layer_t) if layer_t is not None else layer_idx
-        out = _paged_attention(q, k, v, layer, float(scaling), window, cap)
+        out = _paged_attention(q, k, v, layer, float(scaling), window, cap, sinks)
     elif layer_t is not None:
         # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
-        out = torch.ops.hf_paged.paged_attention_t(q, k, v, layer_t, float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention_t(
+            q, k, v, layer_t, float(scaling), window, cap, sinks
+        )
     else:
-        out = torch.ops.hf_paged.paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention(
+            q, k, v, layer_idx, float(scaling), window, cap, sinks
+        )
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+def _eager_with_sinks(module: torch.nn.Module):
+    """The eager attention of the module's modelling file, which applies s_aux (gpt-oss and
+    kin define it there; sdpa has no sinks)."""
+    import sys
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"{type(module).__name__}: attention sinks (s_aux) outside an engine step need the "
+            "model's eager attention, which its modelling module does not define"
+        )
+    return eager
 
 
 # Arguments some architectures pass that change attention's meaning; paged attention here is causal
 # softmax attention only, so these are refused rather than silently dropped.
-_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "indices", "block_indices")
+# (s_aux, attention sinks, is implemented; "sinks" by that name is no known model's and may not
+# mean the same.)
+_UNSUPPORTED_KWARGS = ("sinks", "position_bias", "indices", "block_indices")
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
@@ -190,9 +245,15 @@ def _paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V for one layer, then attend; [T, Hq, D] contiguous."""
     ctx = get_forward_context()
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"layer {layer_idx}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected "
+            f"one per query head ({q.shape[1]},)"
+        )
     key_cache, value_cache = ctx.kv_caches[layer_idx]
     if k.shape[1:] != key_cache.shape[2:]:
         raise ValueError(
@@ -202,7 +263,14 @@ def _paged_attention(
     backend = ctx.backend
     backend.write_kv(k, v, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
     out = backend.paged_attention(
-        q, key_cache, value_cache, ctx.attn_metadata, scale, sliding_window or None, softcap or None
+        q,
+        key_cache,
+        value_cache,
+        ctx.attn_metadata,
+        scale,
+        sliding_window or None,
+        softcap or None,
+        sinks=sinks,
     )
     return out.contiguous()
 
@@ -216,11 +284,12 @@ def _paged_attention_op(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
     # the per-layer order.
-    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap)
+    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap, sinks)
 
 
 @torch.library.custom_op("hf_paged::paged_attention_t", mutates_args=())
@@ -232,13 +301,14 @@ def _paged_attention_t_op(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same, with the layer index as a CPU scalar tensor (per-layer compilation); reading
     it costs no device sync."""
-    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap)
+    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap, sinks)
 
 
-def _attention_shape(q, k, v, layer, scale, sliding_window, softcap):
+def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None):
     return q.new_empty(q.shape)  # for tracing: output is shaped like the queries
 
 
