@@ -1,6 +1,8 @@
 """The attention kernels' optional features against paged_attention_ref on small shapes:
-attention sinks (gpt-oss's s_aux). Interpreted on CPU (tests/conftest.py sets TRITON_INTERPRET=1
-without a GPU), compiled on a CUDA machine; real shapes are in tests/test_kernels_gpu_features.py.
+attention sinks (gpt-oss's s_aux), and values whose heads are narrower or wider than the keys'
+(MLA models unabsorbed), with write_kv. Interpreted on CPU (tests/conftest.py sets
+TRITON_INTERPRET=1 without a GPU), compiled on a CUDA machine; real shapes are in
+tests/test_kernels_gpu_features.py.
 """
 
 from __future__ import annotations
@@ -147,3 +149,83 @@ def test_bad_sinks_raise_value_error(sinks, match):
     query, key_cache, value_cache, meta = make_batch([1], [5], 4, 2, 16)
     with pytest.raises(ValueError, match=match):
         paged_attention(query, key_cache, value_cache, meta, 0.25, sinks=sinks.to(DEVICE))
+
+
+# ---- values of another head size than keys (DeepSeek-V3: keys 192, values 128) --------------
+
+
+def check_kv_dims(q_lens, seq_lens, hq, hkv, d, dv, dtype=torch.float32, **kw):
+    query, key_cache, value_cache, meta = make_batch(q_lens, seq_lens, hq, hkv, d, dtype, dv=dv)
+    window, softcap = kw.pop("sliding_window", None), kw.pop("softcap", None)
+    sinks = kw.pop("sinks", None)
+    out = torch.full((query.shape[0], hq, dv), float("nan"), dtype=dtype, device=DEVICE)
+    paged_attention(
+        query, key_cache, value_cache, meta, d**-0.5, window, softcap, out=out, sinks=sinks, **kw
+    )
+    ref = paged_attention_ref(query, key_cache, value_cache, meta, d**-0.5, window, softcap, sinks)
+    assert ref.shape == (query.shape[0], hq, dv)
+    assert not torch.isnan(out).any()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    return query, key_cache, value_cache, meta
+
+
+@pytest.mark.parametrize("d, dv", [(24, 16), (16, 32), (48, 80)])
+def test_kv_head_dims_mixed_batch(d, dv):
+    # narrower and wider values; 24, 48 and 80 are padded to powers of two inside the kernels
+    check_kv_dims([1, 20, 3, 1], [9, 20, 40, 70], 4, 2, d, dv)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_kv_head_dims_split_kv(splits):
+    check_kv_dims([1, 1, 1], [3, 60, 150], 4, 4, 24, 16, num_kv_splits=splits)
+
+
+def test_kv_head_dims_window_softcap_sinks_bf16():
+    check_kv_dims(
+        [1, 17], [50, 40], 4, 1, 24, 16, torch.bfloat16, sliding_window=8, softcap=2.0,
+        sinks=sinks_for(4),
+    )  # fmt: skip
+
+
+def test_kv_head_dims_unowned_tokens_zeroed():
+    query, key_cache, value_cache, meta = make_batch([3, 1], [3, 9], 4, 2, 24, dv=16)
+    padded = torch.cat([query, torch.randn(5, 4, 24, device=DEVICE)])
+    out = paged_attention(padded, key_cache, value_cache, meta, 0.2)
+    assert out.shape == (9, 4, 16)
+    assert torch.equal(out[4:], torch.zeros(5, 4, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_attention_kv_head_dims(splits):
+    query, key_cache, value_cache, meta = make_batch([1] * 3, [1, 40, 129], 6, 2, 24, dv=16)
+    got = decode_attention(query, key_cache, value_cache, meta, 0.2, num_kv_splits=splits)
+    ref = paged_attention_ref(query, key_cache, value_cache, meta, 0.2)
+    assert got.shape == (3, 6, 16)
+    torch.testing.assert_close(got, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+
+
+@pytest.mark.parametrize("dv", [16, 40])
+def test_write_kv_value_head_dim(dv):
+    from hf_paged.kernels import write_kv, write_kv_ref
+
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 3, 24, generator=gen), torch.randn(5, 3, dv, generator=gen)
+    slots = torch.tensor([7, -1, 0, 12, 3])
+    caches = [
+        (torch.zeros(4, 4, 3, 24, device=DEVICE), torch.zeros(4, 4, 3, dv, device=DEVICE))
+        for _ in range(2)
+    ]
+    args = (key.to(DEVICE), value.to(DEVICE))
+    write_kv(*args, *caches[0], slots.to(DEVICE))
+    write_kv_ref(*args, *caches[1], slots.to(DEVICE))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[0][1].flatten(0, 1)[12], value[3].to(DEVICE))
+
+
+def test_mismatched_value_cache_raises_value_error():
+    query, key_cache, value_cache, meta = make_batch([1], [5], 4, 2, 16, dv=32)
+    with pytest.raises(ValueError, match="in blocks or heads"):
+        paged_attention(query, key_cache, value_cache[:, :, :1], meta, 0.25)
+    with pytest.raises(ValueError, match=r"out shape .* value head_dim"):
+        paged_attention(query, key_cache, value_cache, meta, 0.25, out=torch.empty_like(query))

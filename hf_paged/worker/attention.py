@@ -9,6 +9,8 @@ called directly) it falls back to transformers' sdpa, so the model still works a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -143,6 +145,12 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if not in_engine_step():  # a patched model called directly: exactly transformers' sdpa
+        if _recorded_shapes is not None:  # KVCacheSpec's probe forward: shapes, not values
+            _record_kv_shape(module, query, key, value)
+            # zeros of the output's shape: the probe must not fail where transformers' sdpa
+            # would on the model's geometry (MLA's K heads against a config's KV-head count)
+            batch, num_heads, q_len = query.shape[:3]
+            return query.new_zeros(batch, q_len, num_heads, value.shape[-1]), None
         if kwargs.get("s_aux") is not None:  # sdpa would drop the sinks: the model's own eager
             q_len, k_len = query.shape[2], key.shape[2]
             if attention_mask is None and q_len > 1:  # sdpa's mask skipped for is_causal
@@ -202,6 +210,34 @@ def paged_attention_forward(
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 
+# layer_idx -> (num_kv_heads, k_head_dim, v_head_dim, extra keys) while recording_kv_shapes()
+# is active; extra keys: how many more key rows than queries the call passed without a cache
+_recorded_shapes: dict[int, tuple[int, int, int, int]] | None = None
+
+
+@contextlib.contextmanager
+def recording_kv_shapes():
+    """Record the K/V shapes each layer's attention call passes during a forward outside an
+    engine step (the model under this attention function): the paged cache is sized from what
+    the model computes, not from config fields that name it differently per family."""
+    global _recorded_shapes
+    shapes: dict[int, tuple[int, int, int, int]] = {}
+    previous, _recorded_shapes = _recorded_shapes, shapes
+    try:
+        yield shapes
+    finally:
+        _recorded_shapes = previous
+
+
+def _record_kv_shape(module: torch.nn.Module, query, key, value) -> None:
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and key.dim() == 4 and value.dim() == 4:
+        # key/value [batch, Hkv, T, D]; a layer's first call wins (a second one is the start-up
+        # check's to catch)
+        extra = key.shape[2] - query.shape[2]
+        _recorded_shapes.setdefault(layer, (key.shape[1], key.shape[-1], value.shape[-1], extra))
+
+
 def _eager_with_sinks(module: torch.nn.Module):
     """The eager attention of the module's modelling file, which applies s_aux (gpt-oss and
     kin define it there; sdpa has no sinks)."""
@@ -247,7 +283,7 @@ def _paged_attention(
     softcap: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V for one layer, then attend; [T, Hq, D] contiguous."""
+    """Write this step's K/V for one layer, then attend; [T, Hq, Dv] contiguous."""
     ctx = get_forward_context()
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(
@@ -255,10 +291,18 @@ def _paged_attention(
             f"one per query head ({q.shape[1]},)"
         )
     key_cache, value_cache = ctx.kv_caches[layer_idx]
-    if k.shape[1:] != key_cache.shape[2:]:
+    if k.shape[0] != q.shape[0]:
         raise ValueError(
-            f"layer {layer_idx}: key heads/size {tuple(k.shape[1:])} do not match the KV cache "
-            f"{tuple(key_cache.shape[2:])}"
+            f"layer {layer_idx}: attention called with {k.shape[0]} keys for {q.shape[0]} "
+            "queries: the model attends over entries other than the step's tokens (e.g. "
+            "compressed or memory KV), which the paged cache does not hold"
+        )
+    if k.shape[1:] != key_cache.shape[2:] or v.shape[1:] != value_cache.shape[2:]:
+        raise ValueError(
+            f"layer {layer_idx}: key/value heads and sizes {tuple(k.shape[1:])} / "
+            f"{tuple(v.shape[1:])} do not match the KV cache's {tuple(key_cache.shape[2:])} / "
+            f"{tuple(value_cache.shape[2:])}: the model's attention passes other shapes than "
+            "the start-up probe saw"
         )
     backend = ctx.backend
     backend.write_kv(k, v, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
@@ -309,7 +353,7 @@ def _paged_attention_t_op(
 
 
 def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None):
-    return q.new_empty(q.shape)  # for tracing: output is shaped like the queries
+    return q.new_empty((*q.shape[:2], v.shape[-1]))  # for tracing: [T, Hq, value head size]
 
 
 _paged_attention_op.register_fake(_attention_shape)
