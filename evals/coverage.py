@@ -40,10 +40,11 @@ TINY = dict(
     num_local_experts=4,
     n_routed_experts=4,
     num_experts_per_tok=2,
-    # partial rotary (CodeGen, GPT-J) and MLA head sizes that fit a 16-wide head
+    # partial rotary (CodeGen, GPT-J); MLA keys 24 wide (16 + 8 rotary) and values 16, so the
+    # K and V head sizes differ as DeepSeek-V3's 192 and 128 do
     rotary_dim=8,
     qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
+    qk_nope_head_dim=16,
     v_head_dim=16,
     kv_lora_rank=32,
     q_lora_rank=32,
@@ -120,6 +121,10 @@ def tiny_model(model_type: str, seed: int = 0, skip: tuple[str, ...] = ()) -> to
     overrides = {k: v for k, v in TINY.items() if k not in skip and _settable(text, k)}
     if "qk_rope_head_dim" in overrides:  # MLA: head_dim there is the rotary part's width
         overrides.pop("head_dim", None)
+        # and every query head has its own K/V head (DeepSeek-V3: 128 and 128); transformers'
+        # attention repeats K/V by heads / num_key_value_heads, so fewer would break its forward
+        if "num_key_value_heads" in overrides:
+            overrides["num_key_value_heads"] = overrides["num_attention_heads"]
     if text is default:
         config = AutoConfig.for_model(model_type, **overrides)
     else:  # a composite config: the text part takes the overrides

@@ -6,7 +6,9 @@ exp2 online-softmax update and the same P.V in the same order (the decode tests 
 a quarter of the tolerance they allow against the reference):
 - _softmax_step: the scores of one K tile, softcapped (_tanh) and masked, and the update of the
   running max, denominator and rescaled accumulator;
-- _accumulate_pv: P.V into the accumulator, with P in the cache dtype the tensor cores take.
+- _accumulate_pv: P.V into the accumulator, with P in the cache dtype the tensor cores take;
+- _init_softmax_state: the empty running state, or with attention sinks the state after one
+  virtual key whose logit is the head's sink and whose value is zeros.
 Callers import each helper by name at module level: Triton resolves a @triton.jit callee through
 the calling function's module globals.
 """
@@ -70,3 +72,32 @@ def _accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.conste
         p = p.to(tl.float32)
         v = v.to(tl.float32)
     return tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _init_softmax_state(
+    sinks_ptr,  # f32 [Hq] (SINKS only)
+    head,  # int [BLOCK_M]: each row's query head
+    split_id,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """(acc, l, m) before the first key tile. A sink adds exp(sink) to the softmax denominator
+    and nothing to the output: the state after a key of logit `sink` (log2 units: m = sink *
+    log2(e), l = 1) and value zeros. With flash-decoding splits only split 0 holds it: the
+    reduce weighs each split by its sum of exps, so the sink is counted once."""
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # [BLOCK_M], log2 units
+        if SPLIT:
+            m_i = tl.where(split_id == 0, sink, float("-inf"))
+            l_i = tl.where(split_id == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            m_i = sink
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    return acc, l_i, m_i

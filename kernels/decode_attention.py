@@ -29,10 +29,10 @@ import triton.language as tl
 
 from hf_paged.worker.forward_context import AttentionMetadata
 
-from .attention_common import _accumulate_pv, _softmax_step
+from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
 from .attention_config import AttentionConfig, choose_decode_num_kv_splits, decode_config
 from .fused_gemv import gdc_launch_dependents, gdc_wait
-from .paged_attention import _check_attention_args, _shared_launch_args
+from .paged_attention import _check_attention_args, _shared_launch_args, sinks_for_kernel
 from .split_kv_reduce import _reduce_splits, _split_workspace
 
 
@@ -51,8 +51,8 @@ def _attend(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_wo_t", "stride_wo_h", "stride_wl_t"])
 def _decode_attention_kernel(
-    out_ptr,  # [T, Hq, D]
-    ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_PAD] (SPLIT only)
+    out_ptr,  # [T, Hq, Dv]
+    ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_V_PAD] (SPLIT only)
     ws_lse_ptr,  # f32 [T, Hq, num_splits] (SPLIT only)
     query_ptr,  # [T, Hq, D]; token i is sequence i's only query
     key_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
@@ -60,6 +60,7 @@ def _decode_attention_kernel(
     block_table_ptr,  # int32 [T, max_blocks]
     seq_lens_ptr,  # int32 [T]
     num_splits,
+    sinks_ptr,  # f32 [Hq] attention sinks (SINKS only)
     scale,
     softcap,
     sliding_window,
@@ -82,12 +83,15 @@ def _decode_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,  # a value head's width (MLA: != HEAD_DIM)
+    HEAD_DIM_V_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -99,6 +103,12 @@ def _decode_attention_kernel(
     split_id = tl.program_id(2)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    if HEAD_DIM_V == HEAD_DIM:  # the usual case: one set of offsets, the code as before
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
     offs_n = tl.arange(0, BLOCK_N)
 
     # ---- before the wait: only what earlier steps wrote --------------------------------------
@@ -126,13 +136,14 @@ def _decode_attention_kernel(
     k_ptrs = k_head_ptr + (block_ids * stride_kc_b + in_page * stride_kc_s)[:, None]
     v_ptrs = v_head_ptr + (block_ids * stride_vc_b + in_page * stride_vc_s)[:, None]
     kv_mask = k_ok[:, None] & d_mask[None, :]
+    v_mask = k_ok[:, None] & dv_mask[None, :]
     k = tl.load(k_ptrs + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs + offs_dv[None, :], mask=v_mask, other=0.0)
     # where the new token's K/V row lives: the block table is a step input, read before the wait
     pos_block = tl.load(bt_row_ptr + pos // PAGE_SIZE).to(tl.int64)
     pos_in_page = (pos % PAGE_SIZE).to(tl.int64)
     new_k_ptr = k_head_ptr + pos_block * stride_kc_b + pos_in_page * stride_kc_s + offs_d
-    new_v_ptr = v_head_ptr + pos_block * stride_vc_b + pos_in_page * stride_vc_s + offs_d
+    new_v_ptr = v_head_ptr + pos_block * stride_vc_b + pos_in_page * stride_vc_s + offs_dv
 
     if PDL:
         gdc_wait()  # the query and the new token's K/V come from the previous kernel
@@ -152,11 +163,13 @@ def _decode_attention_kernel(
     # compiled for sm_90 at the 1.1B shape, 4 warps, 255 registers and ~970 spill instructions)
     fresh = (k_idx == pos)[:, None]
     k = tl.where(fresh, tl.load(new_k_ptr, mask=d_mask, other=0.0)[None, :], k)
-    v = tl.where(fresh, tl.load(new_v_ptr, mask=d_mask, other=0.0)[None, :], v)
+    v = tl.where(fresh, tl.load(new_v_ptr, mask=dv_mask, other=0.0)[None, :], v)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # rows past the GQA group are padding (never stored): their sink is read from a real head
+    sink_head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    acc, l_i, m_i = _init_softmax_state(
+        sinks_ptr, sink_head, split_id, BLOCK_M, HEAD_DIM_V_PAD, SINKS, SPLIT
+    )
     if t_lo < t_hi:
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, k, v, k_ok & (k_idx >= kv_lo), scale, softcap,
@@ -168,10 +181,11 @@ def _decode_attention_kernel(
         block_ids = tl.load(bt_row_ptr + k_idx // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
         in_page = (k_idx % PAGE_SIZE).to(tl.int64)
         kv_mask = k_ok[:, None] & d_mask[None, :]
+        v_mask = k_ok[:, None] & dv_mask[None, :]
         k_off = (block_ids * stride_kc_b + in_page * stride_kc_s)[:, None] + offs_d[None, :]
-        v_off = (block_ids * stride_vc_b + in_page * stride_vc_s)[:, None] + offs_d[None, :]
+        v_off = (block_ids * stride_vc_b + in_page * stride_vc_s)[:, None] + offs_dv[None, :]
         k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_head_ptr + v_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_head_ptr + v_off, mask=v_mask, other=0.0)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, k, v, k_ok, scale, softcap, SOFTCAP, DOT_PRECISION, DOT_UPCAST
         )
@@ -182,13 +196,14 @@ def _decode_attention_kernel(
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
         wo = ws_o_ptr + seq * stride_wo_t + head[:, None] * stride_wo_h + split_id * stride_wo_s
-        tl.store(wo + offs_d[None, :], o, mask=row_valid[:, None])
+        tl.store(wo + offs_dv[None, :], o, mask=row_valid[:, None])
         tl.store(
             ws_lse_ptr + seq * stride_wl_t + head * stride_wl_h + split_id, lse, mask=row_valid
         )
     else:
-        o_ptrs = out_ptr + seq * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        o_ptrs = out_ptr + seq * stride_o_t + head[:, None] * stride_o_h + offs_dv[None, :]
+        o_mask = row_valid[:, None] & dv_mask[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConfig:
@@ -208,20 +223,22 @@ def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConf
 
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, Hq, D]: one new token per sequence
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
     *,
+    sinks: torch.Tensor | None = None,  # [Hq]: attention sinks, as in paged_attention
     num_kv_splits: int | None = None,
     pdl: bool = False,
-) -> torch.Tensor:  # [num_seqs, Hq, D]
+) -> torch.Tensor:  # [num_seqs, Hq, Dv]
     """paged_attention for a batch whose every sequence has exactly one query token (token i
     is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
     num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention."""
     _check_attention_args(query, key_cache, value_cache, meta, None)
+    sinks = sinks_for_kernel(sinks, query)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
     if meta.max_query_len != 1 or num_tokens != num_seqs:
@@ -231,19 +248,19 @@ def decode_attention(
         )
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    num_kv_heads = key_cache.shape[2]
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_kv_heads, head_dim_v = key_cache.shape[2], value_cache.shape[3]
+    out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
     if num_tokens == 0:
         return out
-    cfg = decode_attention_config(num_q_heads // num_kv_heads, head_dim)
+    cfg = decode_attention_config(num_q_heads // num_kv_heads, max(head_dim, head_dim_v))
     splits = num_kv_splits or choose_decode_num_kv_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, cfg.block_n, query.device
     )
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_pad)
+    head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
+    ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_v_pad)
     args, kwargs = _shared_launch_args(
-        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, head_dim_pad, scale,
-        sliding_window, softcap, cfg, pdl,
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, scale,
+        sliding_window, softcap, sinks, cfg, pdl,
     )  # fmt: skip
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         out,
@@ -259,5 +276,5 @@ def decode_attention(
         **kwargs,
     )
     if splits > 1:
-        _reduce_splits(out, ws_o, ws_lse, meta, splits, head_dim, head_dim_pad, pdl)
+        _reduce_splits(out, ws_o, ws_lse, meta, splits, head_dim_v, head_dim_v_pad, pdl)
     return out

@@ -40,18 +40,17 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
 
 
 def write_kv_ref(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    key: torch.Tensor,  # [T, Hkv, Dk]
+    value: torch.Tensor,  # [T, Hkv, Dv]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     slot_mapping: torch.Tensor,  # int64 [T]; -1 = padding, write nothing
 ) -> None:
     """Pure-torch reference (and the CPU backend): cache[slot // B, slot % B] = new token's K/V."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k = key_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, Dk]
+    flat_v = value_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, Dv]
     flat_k.index_copy_(0, slots, key[valid].to(key_cache.dtype))
     flat_v.index_copy_(0, slots, value[valid].to(value_cache.dtype))
 
@@ -78,6 +77,8 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,  # a value head's width (MLA: narrower than a key's)
+    HEAD_DIM_V_PAD: tl.constexpr,
 ):
     # One program = one token x BLOCK_H kv heads: a [BLOCK_H, D] tile, one contiguous row per head.
     token = tl.program_id(0).to(tl.int64)
@@ -93,25 +94,37 @@ def _write_kv_kernel(
     offs_h64 = offs_h.to(tl.int64)[:, None]
 
     k = tl.load(key_ptr + token * stride_k_t + offs_h64 * stride_k_h + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_v_t + offs_h64 * stride_v_h + offs_d[None, :], mask=mask)
+    if HEAD_DIM_V == HEAD_DIM:
+        offs_dv = offs_d
+        mask_v = mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        mask_v = (offs_h < num_kv_heads)[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    v_ptrs = value_ptr + token * stride_v_t + offs_h64 * stride_v_h + offs_dv[None, :]
+    v = tl.load(v_ptrs, mask=mask_v)
     kc = key_cache_ptr + block_id * stride_kc_b + block_off * stride_kc_s + offs_h64 * stride_kc_h
     vc = value_cache_ptr + block_id * stride_vc_b + block_off * stride_vc_s + offs_h64 * stride_vc_h
     tl.store(kc + offs_d[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + offs_d[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + offs_dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
-def check_kv_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Both kernels' cache layout: [num_blocks, block_size, num_kv_heads, head_dim], K and V
-    alike."""
-    if key_cache.dim() != 4:
-        raise ValueError(
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(key_cache.shape)}"
-        )
-    if value_cache.shape != key_cache.shape:
+def check_kv_cache_pair(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, same_head_dim: bool = True
+) -> None:
+    """The kernels' cache layout: [num_blocks, block_size, num_kv_heads, head_dim], K and V
+    alike; with same_head_dim=False (write_kv, paged_attention) a value head may be narrower or
+    wider than a key head."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                f"got {tuple(t.shape)}"
+            )
+    compared = 4 if same_head_dim else 3
+    if value_cache.shape[:compared] != key_cache.shape[:compared]:
         raise ValueError(
             f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
-            f"{tuple(key_cache.shape)}"
+            f"{tuple(key_cache.shape)}" + ("" if same_head_dim else " in blocks or heads")
         )
 
 
@@ -120,15 +133,19 @@ def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> No
         raise ValueError(
             f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}"
         )
-    if value.shape != key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    check_kv_cache_pair(key_cache, value_cache)
+    if value.dim() != 3 or value.shape[:2] != key.shape[:2]:
+        raise ValueError(
+            f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)} in tokens or heads"
+        )
+    check_kv_cache_pair(key_cache, value_cache, same_head_dim=False)
     num_tokens, num_kv_heads, head_dim = key.shape
     if key_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"key_cache heads/head_dim {tuple(key_cache.shape[2:])} != key's "
             f"{(num_kv_heads, head_dim)}"
         )
+    if value_cache.shape[3] != value.shape[2]:
+        raise ValueError(f"value_cache head_dim {value_cache.shape[3]} != value's {value.shape[2]}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
         raise ValueError(
             f"slot_mapping must be [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}"
@@ -153,10 +170,10 @@ def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> No
 
 
 def write_kv(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    key: torch.Tensor,  # [T, Hkv, Dk]
+    value: torch.Tensor,  # [T, Hkv, Dv]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     slot_mapping: torch.Tensor,  # int64 [T]; -1 = padding, write nothing
 ) -> None:
     """Triton version of `write_kv_ref`: scatter each token's K/V rows into its cache slot.
@@ -174,8 +191,10 @@ def write_kv(
         # on the host there so CPU CI checks the GPU's bits.
         key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
     head_dim_pad = triton.next_power_of_2(head_dim)
+    head_dim_v = value.shape[2]
     # ~4K elements per program: one or a few 16-byte vectors per thread, enough bytes in flight.
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_pad))
+    widest = max(head_dim_pad, triton.next_power_of_2(head_dim_v))
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // widest))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         key,
@@ -198,5 +217,7 @@ def write_kv(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_H=block_h,
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=triton.next_power_of_2(head_dim_v),
         num_warps=4,
     )

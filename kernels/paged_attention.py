@@ -49,27 +49,33 @@ _ZERO_TOKENS = 64
 
 
 def paged_attention_ref(
-    query: torch.Tensor,  # [T, Hq, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    query: torch.Tensor,  # [T, Hq, Dk]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-) -> torch.Tensor:  # [T, Hq, D]
+    sinks: torch.Tensor | None = None,  # [Hq]: a per-head logit in the softmax denominator
+) -> torch.Tensor:  # [T, Hq, Dv]
     """Pure-torch reference (and the CPU backend). One sequence at a time, softmax in float32.
 
     Semantics (the contract every kernel must match): the new tokens of sequence i are the last
     q_len of its seq_len tokens; new token at absolute position p attends to keys k <= p, and with
     a sliding window W only to keys k > p - W (W tokens including itself, as transformers does).
     Softcapping applies cap * tanh(score / cap) to the scaled scores before masking.
-    Tokens that no sequence owns (past query_start_loc[-1]) get zeros.
+    Attention sinks (gpt-oss's s_aux) join the softmax as one more logit per query head, with a
+    value of zeros: weights exp(s_j) / (sum_k exp(s_k) + exp(sink)), as transformers' eager
+    attention computes them by concatenating the sink column and dropping it after the softmax.
+    Tokens that no sequence owns (past query_start_loc[-1]) get zeros. Values may be narrower
+    or wider than keys (Dv != Dk: MLA models unabsorbed); the output has the values' width.
     """
-    _, num_q_heads, head_dim = query.shape
+    num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    head_dim_v = value_cache.shape[3]
     group = num_q_heads // num_kv_heads
     # zeros, not empty: rows no sequence owns (bucket padding) must not carry garbage/NaN onward
-    out = torch.zeros_like(query)
+    out = query.new_zeros(num_tokens, num_q_heads, head_dim_v)
     qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()
     for i, seq_len in enumerate(seq_lens):
@@ -80,7 +86,7 @@ def paged_attention_ref(
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_table[i, :num_blocks].long()
         k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:seq_len].float()
         q = query[start:end].float()
         # [Hkv, G, q_len, D] x [Hkv, D, seq_len] -> [Hkv, G, q_len, seq_len]
         q = q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -93,10 +99,32 @@ def paged_attention_ref(
         if sliding_window is not None and sliding_window > 0:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, q_len, D]
-        out[start:end] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(out.dtype)
+        if sinks is not None:
+            sink = sinks.float().reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, q_len, Dv]
+        out[start:end] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, -1).to(out.dtype)
     return out
+
+
+def sinks_for_kernel(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """Attention sinks checked against the query's heads, as the kernels read them: float32,
+    contiguous (a no-op for gpt-oss-style float32 parameters)."""
+    if sinks is None:
+        return None
+    num_q_heads = query.shape[1]
+    if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
+        raise ValueError(
+            f"sinks must be [num_q_heads={num_q_heads}], one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device}, query on {query.device}")
+    return sinks.to(torch.float32).contiguous()
 
 
 def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
@@ -104,13 +132,18 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
         raise ValueError(
             f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}"
         )
-    check_kv_cache_pair(key_cache, value_cache)
-    _, num_q_heads, head_dim = query.shape
+    check_kv_cache_pair(key_cache, value_cache, same_head_dim=False)
+    num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, kv_head_dim = key_cache.shape
+    head_dim_v = value_cache.shape[3]
     if kv_head_dim != head_dim:
         raise ValueError(f"key_cache head_dim {kv_head_dim} != query head_dim {head_dim}")
     if head_dim > _HEAD_DIMS_MAX or head_dim < 16:
         raise ValueError(f"query head_dim must be in [16, {_HEAD_DIMS_MAX}], got {head_dim}")
+    if head_dim_v > _HEAD_DIMS_MAX or head_dim_v < 16:
+        raise ValueError(
+            f"value_cache head_dim must be in [16, {_HEAD_DIMS_MAX}], got {head_dim_v}"
+        )
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(
             f"query heads ({num_q_heads}) must be a multiple of key_cache kv heads ({num_kv_heads})"
@@ -124,8 +157,11 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
             raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
     tensors = [("query", query), ("key_cache", key_cache), ("value_cache", value_cache)]
     if out is not None:
-        if out.shape != query.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+        if tuple(out.shape) != (num_tokens, num_q_heads, head_dim_v):
+            raise ValueError(
+                f"out shape {tuple(out.shape)} != (num_tokens, num_q_heads, value head_dim) "
+                f"{(num_tokens, num_q_heads, head_dim_v)}"
+            )
         if out.dtype != query.dtype:
             raise ValueError(f"out dtype {out.dtype} != query dtype {query.dtype}")
         tensors.append(("out", out))
@@ -168,19 +204,20 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
 
 
 def paged_attention(
-    query: torch.Tensor,  # [T, Hq, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    query: torch.Tensor,  # [T, Hq, Dk]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    out: torch.Tensor | None = None,  # [T, Hq, D], written in full
+    out: torch.Tensor | None = None,  # [T, Hq, Dv], written in full
     *,
+    sinks: torch.Tensor | None = None,  # [Hq], any float dtype: attention sinks (s_aux)
     num_kv_splits: int | None = None,
     config: AttentionConfig | None = None,
     pdl: bool = False,
-) -> torch.Tensor:  # [T, Hq, D]
+) -> torch.Tensor:  # [T, Hq, Dv]
     """Triton paged attention; same semantics as `paged_attention_ref`.
 
     meta.max_query_len must be >= every sequence's query length (it selects the decode path,
@@ -195,13 +232,16 @@ def paged_attention(
     kernel after this one may be scheduled (and prefetch its weights) while attention runs.
     """
     _check_attention_args(query, key_cache, value_cache, meta, out)
+    sinks = sinks_for_kernel(sinks, query)
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads, head_dim_v = key_cache.shape[2], value_cache.shape[3]
     group = num_q_heads // num_kv_heads
     if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
     if num_tokens == 0:
         return out
+    # tiles sized for the wider of a key and a value head (registers hold both rows)
+    head_dim = max(head_dim, head_dim_v)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if config is not None:
@@ -215,6 +255,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            sinks,
             out,
             config,
             num_kv_splits or 1,
@@ -238,6 +279,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            sinks,
             out,
             dec,
             splits,
@@ -259,6 +301,7 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        sinks,
         out,
         pre,
         1,
@@ -277,6 +320,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            sinks,
             out,
             dec,
             1,
@@ -296,6 +340,7 @@ def _launch(
     scale,
     sliding_window,
     softcap,
+    sinks,
     out,
     cfg: AttentionConfig,
     num_splits: int,
@@ -305,11 +350,11 @@ def _launch(
     pdl: bool = False,
 ) -> None:
     num_tokens, _, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads, head_dim_v = key_cache.shape[2], value_cache.shape[3]
     num_seqs = meta.seq_lens.shape[0]
     if not cfg.one_tile_per_seq:
         num_splits = 1  # the reduce assumes one tile per sequence
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
     if cfg.one_tile_per_seq:
         num_tile_programs = num_seqs
     else:
@@ -319,10 +364,10 @@ def _launch(
     if grid[0] == 0:
         return
     split = num_splits > 1
-    ws_o, ws_lse = _split_workspace(query, out, num_splits, head_dim_pad)
+    ws_o, ws_lse = _split_workspace(query, out, num_splits, head_dim_v_pad)
     args, kwargs = _shared_launch_args(
-        query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, head_dim_pad, scale,
-        sliding_window, softcap, cfg, pdl,
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, scale,
+        sliding_window, softcap, sinks, cfg, pdl,
     )  # fmt: skip
     _paged_attention_kernel[grid](
         out,
@@ -347,17 +392,17 @@ def _launch(
         **kwargs,
     )
     if split:
-        _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, pdl)
+        _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim_v, head_dim_v_pad, pdl)
 
 
 def _shared_launch_args(
-    query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, head_dim_pad, scale,
-    sliding_window, softcap, cfg: AttentionConfig, pdl: bool,
+    query, key_cache, value_cache, meta, out, ws_o, ws_lse, num_splits, scale,
+    sliding_window, softcap, sinks, cfg: AttentionConfig, pdl: bool,
 ):  # fmt: skip
     """What both attention kernels (paged_attention_kernel's, decode_attention's) take alike: the
-    positional run from scale to the workspace strides, then the shared constexprs and launch
-    options."""
-    head_dim = query.shape[2]
+    positional run from the sinks pointer to the workspace strides, then the shared constexprs
+    and launch options."""
+    head_dim, head_dim_v = query.shape[2], value_cache.shape[3]
     sliding = sliding_window is not None and sliding_window > 0
     capped = softcap is not None and softcap > 0
     split = num_splits > 1
@@ -365,6 +410,7 @@ def _shared_launch_args(
     # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
     upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
     args = (
+        query if sinks is None else sinks,  # any pointer when SINKS is off: never read
         float(scale),
         float(softcap) if capped else 1.0,
         int(sliding_window) if sliding else 0,
@@ -388,13 +434,18 @@ def _shared_launch_args(
     kwargs = dict(
         QUERIES_PER_KV=query.shape[1] // key_cache.shape[2],
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        # a value head's width: the same constexprs when K and V agree (the usual variants
+        # compile as before); MLA's narrower values get their own tile width
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=max(16, triton.next_power_of_2(head_dim_v)),
         PAGE_SIZE=key_cache.shape[1],
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SPLIT=split,
         SLIDING=sliding,
         SOFTCAP=capped,
+        SINKS=sinks is not None,
         # float32 inputs: true fp32 products (tf32 would cost ~1e-3 relative error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,

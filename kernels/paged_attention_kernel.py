@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_common import _accumulate_pv, _softmax_step
+from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 
 
@@ -59,12 +59,15 @@ def _attend_kv_tile(
     sliding_window,
     offs_n,  # [BLOCK_N]
     offs_d,  # [HEAD_DIM_PAD]
+    offs_dv,  # [HEAD_DIM_V_PAD]
     MASKED: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
@@ -81,7 +84,7 @@ def _attend_kv_tile(
     k_off = block_ids * stride_kc_b + in_page * stride_kc_s  # [BLOCK_N] int64
     v_off = block_ids * stride_vc_b + in_page * stride_vc_s  # [BLOCK_N] int64
     k_ptrs = k_head_ptr + k_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-    v_ptrs = v_head_ptr + v_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+    v_ptrs = v_head_ptr + v_off[:, None] + offs_dv[None, :]  # [BLOCK_N, HEAD_DIM_V_PAD]
     k = _load_kv_rows(k_ptrs, k_valid, offs_d, MASKED, HEAD_DIM, HEAD_DIM_PAD)
     if MASKED:
         keep = k_idx[None, :] <= q_pos[:, None]
@@ -92,7 +95,7 @@ def _attend_kv_tile(
     p, acc, l_i, m_new = _softmax_step(
         acc, l_i, m_i, q, k, keep, scale, softcap, MASKED, SOFTCAP, DOT_PRECISION, DOT_UPCAST
     )
-    v = _load_kv_rows(v_ptrs, k_valid, offs_d, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    v = _load_kv_rows(v_ptrs, k_valid, offs_dv, MASKED, HEAD_DIM_V, HEAD_DIM_V_PAD)
     return _accumulate_pv(acc, p, v, DOT_PRECISION, DOT_UPCAST), l_i, m_new
 
 
@@ -127,12 +130,12 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     ]
 )
 def _paged_attention_kernel(
-    out_ptr,  # [T, Hq, D]
-    ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_PAD] split partial outputs (SPLIT only)
+    out_ptr,  # [T, Hq, Dv]
+    ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_V_PAD] split partial outputs (SPLIT only)
     ws_lse_ptr,  # f32 [T, Hq, num_splits] split log2-sum-exp (SPLIT only)
     query_ptr,  # [T, Hq, D]
     key_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
-    value_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
+    value_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, Dv]
     block_table_ptr,  # int32 [num_seqs, max_blocks]
     seq_lens_ptr,  # int32 [num_seqs]
     query_start_loc_ptr,  # int32 [num_seqs + 1]
@@ -140,6 +143,7 @@ def _paged_attention_kernel(
     num_tokens,
     num_tile_programs,  # programs [0, num_tile_programs) compute, the rest zero-fill
     num_splits,
+    sinks_ptr,  # f32 [Hq] attention sinks (SINKS only)
     scale,
     softcap,
     sliding_window,
@@ -162,6 +166,8 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,  # a value head's width (out's last dim); MLA: != HEAD_DIM
+    HEAD_DIM_V_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -173,6 +179,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (see kernels/fused_gemv.py)
@@ -185,6 +192,12 @@ def _paged_attention_kernel(
     split_id = tl.program_id(2)
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
     d_mask = offs_d < HEAD_DIM
+    if HEAD_DIM_V == HEAD_DIM:  # the usual case: one set of offsets, the code as before
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # [HEAD_DIM_V_PAD]
+        dv_mask = offs_dv < HEAD_DIM_V
 
     if pid >= num_tile_programs:
         # Zero-fill ZERO_TOKENS flat tokens that no sequence owns, for this kv head's q heads.
@@ -193,11 +206,11 @@ def _paged_attention_kernel(
         # Only split 0 writes. (A scalar bool & a vector mask yields ints in the interpreter.)
         z_end = tl.where(split_id == 0, num_tokens, 0)
         z_mask = (offs_z >= first_unowned) & (offs_z < z_end)
-        z_ptr = out_ptr + offs_z.to(tl.int64)[:, None] * stride_o_t + offs_d[None, :]
-        zeros = tl.zeros([ZERO_TOKENS, HEAD_DIM_PAD], dtype=out_ptr.dtype.element_ty)
+        z_ptr = out_ptr + offs_z.to(tl.int64)[:, None] * stride_o_t + offs_dv[None, :]
+        zeros = tl.zeros([ZERO_TOKENS, HEAD_DIM_V_PAD], dtype=out_ptr.dtype.element_ty)
         for h in tl.static_range(QUERIES_PER_KV):
             head = kv_head * QUERIES_PER_KV + h
-            tl.store(z_ptr + head * stride_o_h, zeros, mask=z_mask[:, None] & d_mask[None, :])
+            tl.store(z_ptr + head * stride_o_h, zeros, mask=z_mask[:, None] & dv_mask[None, :])
         return
 
     # ---- which (sequence, q-tile) this program owns -----------------------------------------
@@ -266,9 +279,9 @@ def _paged_attention_kernel(
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt_s
     offs_n = tl.arange(0, BLOCK_N)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _init_softmax_state(
+        sinks_ptr, head, split_id, BLOCK_M, HEAD_DIM_V_PAD, SINKS, SPLIT
+    )
     if SLIDING:
         for t in range(t_lo, t_full_lo):  # window's lower edge
             acc, l_i, m_i = _attend_kv_tile(
@@ -291,12 +304,15 @@ def _paged_attention_kernel(
                 sliding_window,
                 offs_n,
                 offs_d,
+                offs_dv,
                 True,
                 SLIDING,
                 SOFTCAP,
                 PAGE_SIZE,
                 HEAD_DIM,
                 HEAD_DIM_PAD,
+                HEAD_DIM_V,
+                HEAD_DIM_V_PAD,
                 DOT_PRECISION,
                 DOT_UPCAST,
             )
@@ -321,12 +337,15 @@ def _paged_attention_kernel(
             sliding_window,
             offs_n,
             offs_d,
+            offs_dv,
             False,
             SLIDING,
             SOFTCAP,
             PAGE_SIZE,
             HEAD_DIM,
             HEAD_DIM_PAD,
+            HEAD_DIM_V,
+            HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
         )
@@ -351,12 +370,15 @@ def _paged_attention_kernel(
             sliding_window,
             offs_n,
             offs_d,
+            offs_dv,
             True,
             SLIDING,
             SOFTCAP,
             PAGE_SIZE,
             HEAD_DIM,
             HEAD_DIM_PAD,
+            HEAD_DIM_V,
+            HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
         )
@@ -371,11 +393,12 @@ def _paged_attention_kernel(
             + tok[:, None] * stride_wo_t
             + head[:, None] * stride_wo_h
             + split_id * stride_wo_s
-            + offs_d[None, :]
+            + offs_dv[None, :]
         )
         tl.store(wo_ptrs, o, mask=row_valid[:, None])
         wl_ptrs = ws_lse_ptr + tok * stride_wl_t + head * stride_wl_h + split_id
         tl.store(wl_ptrs, lse, mask=row_valid)
     else:
-        o_ptrs = out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        o_ptrs = out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_dv[None, :]
+        o_mask = row_valid[:, None] & dv_mask[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)

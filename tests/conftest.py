@@ -61,6 +61,37 @@ ARCHITECTURES = {
         "GPTNeoXForCausalLM",
         {"rotary_pct": 0.5, "num_key_value_heads": 4},
     ),
+    # attention sinks (s_aux), alternating sliding-window layers, MoE
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 20,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+    # MLA as transformers runs it (unabsorbed): keys of 24 (16 + 8 rotary), values of 16
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "kv_lora_rank": 32,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
     # differential attention, two attention calls per layer: refused by the start-up check
     # (hf_paged/engine/verify.py), so not in the parity lists
     "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {}),

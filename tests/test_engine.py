@@ -279,9 +279,10 @@ def test_attention_arguments_that_change_semantics_are_refused(tiny_model):
     module = torch.nn.Module()
     with pytest.raises(ValueError, match="bidirectional"):
         _refuse_unsupported(module, {"is_causal": False})
-    with pytest.raises(ValueError, match="s_aux"):
-        _refuse_unsupported(module, {"s_aux": torch.zeros(2)})
-    _refuse_unsupported(module, {"is_causal": True, "position_ids": torch.zeros(1)})
+    with pytest.raises(ValueError, match="position_bias"):
+        _refuse_unsupported(module, {"position_bias": torch.zeros(2)})
+    # attention sinks are implemented (tests/test_model_features.py)
+    _refuse_unsupported(module, {"is_causal": True, "position_ids": torch.zeros(1), "s_aux": 1})
 
 
 def test_siblings_of_n_samples_count_against_max_num_seqs(tiny_model):

@@ -21,6 +21,9 @@ SUBSET = {
     "doge": "refused",  # its window only in the mask: the check's prompt past the window
     "bloom": "refused",  # ALiBi, no AttentionInterface: refused before any forward
     "hy_v4": "refused",  # a sparse-attention indexer reading the mask: a TypeError, refused
+    "gpt_oss": "exact",  # attention sinks (s_aux)
+    "deepseek_v3": "exact",  # MLA: keys 24 wide, values 16, heads other than the config's
+    "deepseek_v4": "refused",  # compressed KV entries appended to the keys: refused at the probe
 }
 
 
@@ -35,6 +38,7 @@ def test_fast_subset_is_exact_or_refused(one_torch_thread):
     assert "already in the prompt forward" in details["doge"]
     assert "AttentionInterface" in details["bloom"]
     assert "fails in a paged forward (TypeError" in details["hy_v4"]
+    assert "more keys than its" in details["deepseek_v4"]
 
 
 def test_table_lists_counts_and_every_row():

@@ -9,6 +9,8 @@ called directly) it falls back to transformers' sdpa, so the model still works a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -38,6 +40,7 @@ class AttentionBackend:
         sliding_window: int | None,
         softcap: float | None,
         pdl: bool = False,  # programmatic dependent launch (Triton on Hopper); others ignore it
+        sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss's s_aux)
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -54,12 +57,21 @@ class TorchBackend(AttentionBackend):
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
-        self, query, key_cache, value_cache, meta, scale, sliding_window, softcap, pdl=False
+        self,
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        pdl=False,
+        sinks=None,
     ):
         from hf_paged.kernels import paged_attention_ref
 
         return paged_attention_ref(
-            query, key_cache, value_cache, meta, scale, sliding_window, softcap
+            query, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks
         )
 
 
@@ -80,7 +92,16 @@ class TritonBackend(AttentionBackend):
         self._kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
-        self, query, key_cache, value_cache, meta, scale, sliding_window, softcap, pdl=False
+        self,
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap,
+        pdl=False,
+        sinks=None,
     ):
         return self._kernels.paged_attention(
             query,
@@ -90,6 +111,7 @@ class TritonBackend(AttentionBackend):
             scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
             pdl=pdl,
         )
 
@@ -123,6 +145,25 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if not in_engine_step():  # a patched model called directly: exactly transformers' sdpa
+        if _recorded_shapes is not None:  # KVCacheSpec's probe forward: shapes, not values
+            _record_kv_shape(module, query, key, value)
+            # zeros of the output's shape: the probe must not fail where transformers' sdpa
+            # would on the model's geometry (MLA's K heads against a config's KV-head count)
+            batch, num_heads, q_len = query.shape[:3]
+            return query.new_zeros(batch, q_len, num_heads, value.shape[-1]), None
+        if kwargs.get("s_aux") is not None:  # sdpa would drop the sinks: the model's own eager
+            q_len, k_len = query.shape[2], key.shape[2]
+            if attention_mask is None and q_len > 1:  # sdpa's mask skipped for is_causal
+                causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device)
+                attention_mask = causal.tril(k_len - q_len)[None, None]
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                # paged_mask built sdpa's boolean mask; eager attention adds a float one
+                zero = torch.zeros((), dtype=query.dtype, device=query.device)
+                attention_mask = zero.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+            return _eager_with_sinks(module)(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                sliding_window=sliding_window, softcap=softcap, **kwargs,
+            )  # fmt: skip
         return sdpa_attention_forward(
             module,
             query,
@@ -145,6 +186,8 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else 0.0
+    # attention sinks (gpt-oss and kin pass them as s_aux): one extra softmax logit per head
+    sinks = kwargs.get("s_aux")
     # compile_scope="layers" registers the layer index as a CPU tensor buffer: as a Python int it
     # would be a constant guarded per layer, and compiled decoder layers would compile once per
     # layer instead of sharing one graph (hf_paged/worker/compilation.py).
@@ -154,18 +197,66 @@ def paged_attention_forward(
         raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
     if not torch.compiler.is_compiling():
         layer = int(layer_t) if layer_t is not None else layer_idx
-        out = _paged_attention(q, k, v, layer, float(scaling), window, cap)
+        out = _paged_attention(q, k, v, layer, float(scaling), window, cap, sinks)
     elif layer_t is not None:
         # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
-        out = torch.ops.hf_paged.paged_attention_t(q, k, v, layer_t, float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention_t(
+            q, k, v, layer_t, float(scaling), window, cap, sinks
+        )
     else:
-        out = torch.ops.hf_paged.paged_attention(q, k, v, layer_idx, float(scaling), window, cap)
+        out = torch.ops.hf_paged.paged_attention(
+            q, k, v, layer_idx, float(scaling), window, cap, sinks
+        )
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+# layer_idx -> (num_kv_heads, k_head_dim, v_head_dim, extra keys) while recording_kv_shapes()
+# is active; extra keys: how many more key rows than queries the call passed without a cache
+_recorded_shapes: dict[int, tuple[int, int, int, int]] | None = None
+
+
+@contextlib.contextmanager
+def recording_kv_shapes():
+    """Record the K/V shapes each layer's attention call passes during a forward outside an
+    engine step (the model under this attention function): the paged cache is sized from what
+    the model computes, not from config fields that name it differently per family."""
+    global _recorded_shapes
+    shapes: dict[int, tuple[int, int, int, int]] = {}
+    previous, _recorded_shapes = _recorded_shapes, shapes
+    try:
+        yield shapes
+    finally:
+        _recorded_shapes = previous
+
+
+def _record_kv_shape(module: torch.nn.Module, query, key, value) -> None:
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and key.dim() == 4 and value.dim() == 4:
+        # key/value [batch, Hkv, T, D]; a layer's first call wins (a second one is the start-up
+        # check's to catch)
+        extra = key.shape[2] - query.shape[2]
+        _recorded_shapes.setdefault(layer, (key.shape[1], key.shape[-1], value.shape[-1], extra))
+
+
+def _eager_with_sinks(module: torch.nn.Module):
+    """The eager attention of the module's modelling file, which applies s_aux (gpt-oss and
+    kin define it there; sdpa has no sinks)."""
+    import sys
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"{type(module).__name__}: attention sinks (s_aux) outside an engine step need the "
+            "model's eager attention, which its modelling module does not define"
+        )
+    return eager
 
 
 # Arguments some architectures pass that change attention's meaning; paged attention here is causal
 # softmax attention only, so these are refused rather than silently dropped.
-_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "indices", "block_indices")
+# (s_aux, attention sinks, is implemented; "sinks" by that name is no known model's and may not
+# mean the same.)
+_UNSUPPORTED_KWARGS = ("sinks", "position_bias", "indices", "block_indices")
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
@@ -190,19 +281,40 @@ def _paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V for one layer, then attend; [T, Hq, D] contiguous."""
+    """Write this step's K/V for one layer, then attend; [T, Hq, Dv] contiguous."""
     ctx = get_forward_context()
-    key_cache, value_cache = ctx.kv_caches[layer_idx]
-    if k.shape[1:] != key_cache.shape[2:]:
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(
-            f"layer {layer_idx}: key heads/size {tuple(k.shape[1:])} do not match the KV cache "
-            f"{tuple(key_cache.shape[2:])}"
+            f"layer {layer_idx}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected "
+            f"one per query head ({q.shape[1]},)"
+        )
+    key_cache, value_cache = ctx.kv_caches[layer_idx]
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"layer {layer_idx}: attention called with {k.shape[0]} keys for {q.shape[0]} "
+            "queries: the model attends over entries other than the step's tokens (e.g. "
+            "compressed or memory KV), which the paged cache does not hold"
+        )
+    if k.shape[1:] != key_cache.shape[2:] or v.shape[1:] != value_cache.shape[2:]:
+        raise ValueError(
+            f"layer {layer_idx}: key/value heads and sizes {tuple(k.shape[1:])} / "
+            f"{tuple(v.shape[1:])} do not match the KV cache's {tuple(key_cache.shape[2:])} / "
+            f"{tuple(value_cache.shape[2:])}: the model's attention passes other shapes than "
+            "the start-up probe saw"
         )
     backend = ctx.backend
     backend.write_kv(k, v, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
     out = backend.paged_attention(
-        q, key_cache, value_cache, ctx.attn_metadata, scale, sliding_window or None, softcap or None
+        q,
+        key_cache,
+        value_cache,
+        ctx.attn_metadata,
+        scale,
+        sliding_window or None,
+        softcap or None,
+        sinks=sinks,
     )
     return out.contiguous()
 
@@ -216,11 +328,12 @@ def _paged_attention_op(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
     # the per-layer order.
-    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap)
+    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap, sinks)
 
 
 @torch.library.custom_op("hf_paged::paged_attention_t", mutates_args=())
@@ -232,14 +345,15 @@ def _paged_attention_t_op(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same, with the layer index as a CPU scalar tensor (per-layer compilation); reading
     it costs no device sync."""
-    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap)
+    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap, sinks)
 
 
-def _attention_shape(q, k, v, layer, scale, sliding_window, softcap):
-    return q.new_empty(q.shape)  # for tracing: output is shaped like the queries
+def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None):
+    return q.new_empty((*q.shape[:2], v.shape[-1]))  # for tracing: [T, Hq, value head size]
 
 
 _paged_attention_op.register_fake(_attention_shape)

@@ -3,6 +3,7 @@ at the full token budget on CUDA), and a warm-up of every attention-kernel varia
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -12,41 +13,104 @@ from hf_paged.config import EngineConfig
 from hf_paged.worker.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 
+@dataclass(frozen=True, slots=True)
+class LayerKVShape:
+    """One layer's cache rows: K/V heads, and the widths of a key and a value head. They differ
+    where the model computes them so (MLA models as transformers runs them, unabsorbed:
+    DeepSeek-V2/V3 keys of 192, values of 128) and from layer to layer in some (MiMo-V2's
+    sliding-window layers have twice the KV heads)."""
+
+    num_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+
 class KVCacheSpec:
-    """Per-layer KV geometry read from the model config."""
+    """Per-layer KV geometry: what the model's attention calls pass (one probe forward of two
+    tokens, read by the attention function), else the text config's one geometry for all."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> None:
         cfg = model.config.get_text_config()
         read = partial(_config_field, model, cfg)
-        self.num_layers = read("num_hidden_layers")
-        num_heads = read("num_attention_heads")
-        self.num_kv_heads = read("num_key_value_heads", None) or num_heads
-        self.head_dim = read("head_dim", None) or read("hidden_size") // num_heads
+        num_layers = read("num_hidden_layers")
+        probed = probe_kv_shapes(model)
+        if all(i in probed for i in range(num_layers)):
+            default = None  # config fields that raise (Gemma 4's per-layer head_dim) unread
+        else:
+            num_heads = read("num_attention_heads")
+            num_kv_heads = read("num_key_value_heads", None) or num_heads
+            head_dim = read("head_dim", None) or read("hidden_size") // num_heads
+            default = LayerKVShape(num_kv_heads, head_dim, head_dim)
+        num_layers = max(num_layers, max(probed, default=-1) + 1)
+        self.layers = [probed.get(i, default) for i in range(num_layers)]
         self.block_size = block_size
         self.dtype = dtype
 
     @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        per_slot = sum(s.num_kv_heads * (s.k_head_dim + s.v_head_dim) for s in self.layers)
+        return self.block_size * per_slot * itemsize
 
     def allocate(
         self, num_blocks: int, device: torch.device
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
+        caches = []
+        for s in self.layers:
+            shape = (num_blocks, self.block_size, s.num_kv_heads)
+            caches.append(
+                (
+                    torch.zeros((*shape, s.k_head_dim), dtype=self.dtype, device=device),
+                    torch.zeros((*shape, s.v_head_dim), dtype=self.dtype, device=device),
+                )
             )
-            for _ in range(self.num_layers)
-        ]
+        return caches
+
+
+# Tokens in the probe forward: past 128, so that attention over compressed entries (DeepSeek-V4
+# compresses every 128 tokens into one, and every 4 in its other layer type) shows as more keys
+# than queries; one short forward at start-up.
+PROBE_TOKENS = 136
+
+
+def probe_kv_shapes(model: torch.nn.Module) -> dict[int, LayerKVShape]:
+    """layer_idx -> the K/V shapes its attention calls pass, from one forward of PROBE_TOKENS
+    tokens through the paged attention function outside an engine step (transformers' own
+    attention computes it). Empty when the model does not route attention through it or the
+    forward fails: the config's geometry serves then, as it did before the probe. Raises
+    ValueError for a layer that attends over more keys than the tokens it was given."""
+    from hf_paged.worker.attention import recording_kv_shapes
+
+    cfg = model.config.get_text_config()
+    length = min(PROBE_TOKENS, getattr(cfg, "max_position_embeddings", None) or PROBE_TOKENS)
+    vocab = getattr(cfg, "vocab_size", None) or 4
+    try:
+        device = next(model.parameters()).device
+        ids = (torch.arange(length, device=device) % (vocab - 3) + 3)[None]
+        with recording_kv_shapes() as shapes, torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    except Exception:
+        return {}
+    extra = {i: s[3] for i, s in shapes.items() if s[3] != 0}
+    if extra:
+        layer, n = min(extra.items())
+        raise ValueError(
+            f"model: {type(model).__name__}: layer {layer}'s attention takes {n} more keys than "
+            f"its {length} tokens (compressed, memory or otherwise extra KV entries); the paged "
+            "cache holds one K/V row per token, so this attention is not supported"
+        )
+    return {i: LayerKVShape(*s[:3]) for i, s in shapes.items()}
 
 
 def _config_field(model: torch.nn.Module, cfg, name: str, *default):
-    """A KV geometry field of the text config. One geometry serves every layer: a config whose
-    field varies by layer (Gemma 4's head_dim, where global_head_dim differs) raises from
-    transformers here, refused with the field's name rather than its RuntimeError."""
+    """A KV geometry field of the text config, read only for layers the probe did not see (the
+    config's geometry then serves every such layer): a config whose field varies by layer
+    (Gemma 4's head_dim, where global_head_dim differs) raises from transformers here, refused
+    with the field's name rather than its RuntimeError."""
     try:
         return getattr(cfg, name, *default)
     except AttributeError:
@@ -57,8 +121,8 @@ def _config_field(model: torch.nn.Module, cfg, name: str, *default):
     except Exception as exc:
         raise ValueError(
             f"model: {type(model).__name__}: its config's {name} cannot be read as one value for "
-            f"every layer ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); the paged KV "
-            "cache has one geometry for all layers, so per-layer KV shapes are not supported yet"
+            f"every layer ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}), and a "
+            "forward through the paged attention function did not show each layer's K/V shapes"
         ) from exc
 
 
