@@ -83,6 +83,7 @@ class _Bucket:
 
 class SpecPolicy:
     TRIAL_STEPS = _Bucket.SAMPLES  # steps of a trial of the mode not in use
+
     def __init__(
         self,
         max_k: int,
