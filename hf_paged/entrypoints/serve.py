@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
-import os
 import sys
 
+from hf_paged import envs
 from hf_paged.config import EngineConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("HF_PAGED_API_KEY"),
+        default=envs.HF_PAGED_API_KEY,
         help="require `Authorization: Bearer KEY` on every route but /health "
         "(default: $HF_PAGED_API_KEY; none: no key)",
     )
