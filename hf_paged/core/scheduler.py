@@ -29,17 +29,22 @@ class RequestTable(dict):
     def __init__(self) -> None:
         super().__init__()
         self.num_sync_only = 0
+        # requests with prompt lookup: while there are none (and no draft model), the engine
+        # skips the speculation policy's per-step bookkeeping
+        self.num_prompt_lookup = 0
 
     def __setitem__(self, request_id: str, request: Request) -> None:
         self.pop(request_id, None)
         super().__setitem__(request_id, request)
         self.num_sync_only += not request.async_ok
+        self.num_prompt_lookup += request.sampling_params.prompt_lookup_num_tokens > 0
 
     def pop(self, request_id: str, *default):
         if request_id not in self:
             return super().pop(request_id, *default)
         request = super().pop(request_id)
         self.num_sync_only -= not request.async_ok
+        self.num_prompt_lookup -= request.sampling_params.prompt_lookup_num_tokens > 0
         return request
 
     def __delitem__(self, request_id: str) -> None:

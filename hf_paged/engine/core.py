@@ -63,13 +63,19 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         spec = self.runner.spec
-        batch_size = self._batch_size_estimate()
-        spec.plan(batch_size)  # speculate from this step's end on, or not
+        may_speculate = spec.draft is not None or self.scheduler.requests.num_prompt_lookup
+        if may_speculate:
+            batch_size = self._batch_size_estimate()
+            spec.plan(batch_size)  # speculate from this step's end on, or not
+        else:
+            spec.policy.k_next = 0
+            self._last_step_end = None  # no stale start for the next measured step
         if self.config.async_scheduling:
             outputs = self._step_async()
         else:
             outputs = self._step_sync()
-        self._measure(batch_size, outputs, spec.policy.k_next > 0)
+        if may_speculate:
+            self._measure(batch_size, outputs, spec.policy.k_next > 0)
         return outputs
 
     def _measure(self, batch_size: int, outputs: list[RequestOutput], speculated: bool) -> None:
@@ -182,6 +188,8 @@ class EngineCore:
         kv.check_invariants()
         live = sched.requests
         assert live.num_sync_only == sum(not r.async_ok for r in live.values()), "sync count"
+        lookup = sum(r.sampling_params.prompt_lookup_num_tokens > 0 for r in live.values())
+        assert live.num_prompt_lookup == lookup, "prompt lookup count"
         running = {r.request_id for r in sched.running}
         assert len(running) == len(sched.running), "a request is in running twice"
         for r in sched.running:
