@@ -69,3 +69,14 @@ class SamplerOutput:
     scores: dict[str, torch.Tensor] | None = None  # processed scores row [V]
     logits: dict[str, torch.Tensor] | None = None  # raw logits row [V]
     beam_logits: dict[str, torch.Tensor] | None = None  # beam rows, float32 [V], not sampled
+
+    def runner_output_fields(self) -> dict:
+        """What the runner's ModelRunnerOutput carries of it, by its field names."""
+        return dict(
+            fork_token_ids=self.fork_tokens,
+            failed=self.failed,
+            logprobs=self.logprobs,
+            scores=self.scores,
+            logits=self.logits,
+            beam_logits=self.beam_logits,
+        )

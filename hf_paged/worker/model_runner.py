@@ -192,14 +192,7 @@ class ModelRunner:
             self._add_tokens(step.rows[sample_idx], step.seq_lens[sample_idx], tokens)
         extra = {}
         if sampled is not None:
-            extra = dict(
-                fork_token_ids=sampled.fork_tokens,
-                failed=sampled.failed,
-                logprobs=sampled.logprobs,
-                scores=sampled.scores,
-                logits=sampled.logits,
-                beam_logits=sampled.beam_logits,
-            )
+            extra = sampled.runner_output_fields()
         proposals = None
         if self.spec is not None and sample_rows:
             proposals = self.spec.propose(batch, step, sample_idx, None)

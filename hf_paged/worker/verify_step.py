@@ -31,14 +31,7 @@ def verify_step(runner, batch, step, kept, logits, prompt_logprobs) -> ModelRunn
         )
         for n, t in zip(plain.tolist(), sampled.tokens.tolist()):
             tokens[n] = t
-        extra = dict(
-            fork_token_ids=sampled.fork_tokens,
-            failed=sampled.failed,
-            logprobs=sampled.logprobs,
-            scores=sampled.scores,
-            logits=sampled.logits,
-            beam_logits=sampled.beam_logits,
-        )
+        extra = sampled.runner_output_fields()
     idx = [j for n in spec.tolist() for j in range(first[n], first[n] + counts[n])]
     req_ids = [batch.req_ids[i] for i in sample_idx[spec].tolist()]
     verified = []
