@@ -53,6 +53,7 @@ class EngineCore:
         self._inflight = None  # async_scheduling: (SchedulerOutput, PendingOutput) launched
         self._last_step_end: float | None = None  # when the last step returned outputs
         self._decode_only = False  # the last scheduled step had no prefill tokens
+        self._verified = False  # the last scheduled step verified proposals
 
     def release_rows(self) -> None:
         """The runner drops what it holds for requests that left the running set (whatever
@@ -74,8 +75,8 @@ class EngineCore:
             outputs = self._step_async()
         else:
             outputs = self._step_sync()
-        if may_speculate:
-            self._measure(batch_size, outputs, spec.policy.k_next > 0)
+        if may_speculate:  # a step counts as speculating when it verified proposals
+            self._measure(batch_size, outputs, self._verified)
         return outputs
 
     def _measure(self, batch_size: int, outputs: list[RequestOutput], speculated: bool) -> None:
@@ -93,6 +94,7 @@ class EngineCore:
         spec = sched.batch.spec_token_ids
         extra = sum(len(t) for t in spec.values()) if spec else 0
         self._decode_only = sched.total_num_scheduled_tokens == len(sched) + extra
+        self._verified = extra > 0
         used = self.kv.num_blocks - self.kv.get_num_free_blocks()
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         if not sched.requests and sched.batch.released_req_ids:  # no step to carry them
