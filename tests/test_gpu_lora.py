@@ -101,10 +101,11 @@ def test_lora_kernels_graphs_and_compile_change_no_greedy_output_fp32(monkeypatc
     assert kernels == want
     defaults, replays = _run(model, prompts, names)  # compile, graphs, async scheduling
     assert defaults == want
-    assert replays["decode"] > 0 and replays["mixed"] > 0  # LoRA steps ran from graphs
+    assert replays["decode"] > 0  # LoRA decode steps ran from graphs
     # a 128-token budget: prefill chunks of several adapters share mixed graphs with decodes
-    chunked, _ = _run(model, prompts, names, max_num_batched_tokens=128)
+    chunked, replays = _run(model, prompts, names, max_num_batched_tokens=128)
     assert chunked == want
+    assert replays["mixed"] > 0
 
 
 def test_rows_match_peft_alone_with_graphs_fp32():

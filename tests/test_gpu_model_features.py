@@ -2,7 +2,9 @@
 (Triton kernels compiled, torch.compile of the layers, CUDA graphs, asynchronous scheduling:
 the defaults) against transformers' generate, float32 greedy, at real attention head shapes
 with few layers and random weights: gpt-oss's (64 q heads, 8 kv, head 64, sinks, 128-token
-windows) and DeepSeek-V3's MLA (keys 192, values 128)."""
+windows) and DeepSeek-V3's MLA (keys 192, values 128). Both are MoE models: in float32 their
+grouped_mm experts run outside the compiled layers and the engine captures no CUDA graphs
+(hf_paged/worker/moe_experts.py)."""
 
 from __future__ import annotations
 

@@ -209,3 +209,23 @@ def test_device_advanced_inputs_are_the_steps_inputs(tiny_model):
     assert decode_steps >= 25
     skipped = graphs.inputs.sends_skipped
     assert skipped >= decode_steps // 2, (skipped, decode_steps)
+
+
+def test_prefix_hit_leaving_one_prompt_token_reads_the_sampled_tokens_next(tiny_model):
+    # A prefix-cache hit that leaves one prompt token makes the request's first step
+    # decode-shaped, its input token sent from the host (not pending). The decode graph moves
+    # positions on, but the next step's input must be the token sampled on the device: the
+    # device's inputs are not reused while they still read a host token (they were, and every
+    # later step re-read the prompt's last token).
+    model = tiny_model("llama")
+    prompt = _prompts([17], seed=5)[0]  # two full blocks of 8 cached, one token left
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    opts = dict(max_num_seqs=4, async_scheduling=True)
+    want = _generate(model, [prompt], params, graphs=False, **opts)[0][0].output_token_ids
+    eng = _engine(model, True, **opts)
+    outs = [eng.generate([prompt], params)[0] for _ in range(3)]
+    got = [o.output_token_ids for o in outs]
+    assert [o.num_cached_tokens for o in outs] == [0, 16, 16]
+    eng.check_invariants()
+    eng.shutdown()
+    assert got == [want] * 3

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from hf_paged.worker.attention import register_layer_indices, remove_layer_indices
+from hf_paged.worker.moe_experts import experts_outside_compile
 
 SCOPES = ("model", "layers")
 
@@ -43,8 +44,9 @@ def compile_model(model: torch.nn.Module, scope: str) -> tuple[Callable, Callabl
     """Returns (the callable to run the model with, a function that undoes the compilation)."""
     if scope not in SCOPES:
         raise ValueError(f"compile_scope must be one of {SCOPES}, got {scope!r}")
+    restore_experts = experts_outside_compile(model)
     if scope == "model":
-        return torch.compile(model, dynamic=True, fullgraph=False), lambda: None
+        return torch.compile(model, dynamic=True, fullgraph=False), restore_experts
     layers = decoder_layers(model)
     register_layer_indices(model)
     for layer in layers:
@@ -54,5 +56,6 @@ def compile_model(model: torch.nn.Module, scope: str) -> tuple[Callable, Callabl
         for layer in layers:
             layer._compiled_call_impl = None  # what nn.Module.compile set
         remove_layer_indices(model)
+        restore_experts()
 
     return model, undo

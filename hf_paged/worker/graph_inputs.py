@@ -159,8 +159,14 @@ class PackedGraphInputs:
             self.sends_skipped += 1
         else:
             self.send(step, key, len(step.rows), table, host_slot=host_slot)
-        if advances:  # what the replay leaves in the packed inputs
+        # what the replay leaves in the packed inputs; only when every row reads its input token
+        # from the device (pending): a row sent with its token from the host (the prompt's last
+        # token after a prefix-cache hit) keeps reading that token, however far the replay moves
+        # its positions on
+        if advances and step.pending is not None and bool(step.pending.all()):
             self._held = _Held(step.rows.copy(), step.positions + 1, table)
+        elif advances:
+            self._held = None
 
     def _device_holds(self, step, table: np.ndarray) -> bool:
         """True when the packed inputs on the device, as the last decode replay moved them on,

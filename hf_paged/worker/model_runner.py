@@ -11,6 +11,7 @@ its boundary is plain data: a ScheduledBatch in, a ModelRunnerOutput out.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from hf_paged.worker.forward_context import ForwardContext, forward_context
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
 from hf_paged.worker.model_forward import ModelForward
+from hf_paged.worker.moe_experts import graph_blocker
 from hf_paged.worker.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
 from hf_paged.worker.step_inputs import (
     KeptRows,
@@ -103,7 +105,15 @@ class ModelRunner:
             t0 = time.perf_counter()
             warm_up_kernels(self.forward, self.kv_caches, self.backend, config, self.device)
             self.warm_up_seconds = time.perf_counter() - t0
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe:
+        blocker = graph_blocker(self.model) if config.cuda_graphs else None
+        if blocker is not None and self.device.type == "cuda":
+            warnings.warn(f"hf_paged: CUDA graphs off: {blocker}", RuntimeWarning, stacklevel=2)
+        if (
+            self.device.type == "cuda"
+            and config.cuda_graphs
+            and self.backend.graph_safe
+            and blocker is None
+        ):
             from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
             t0 = time.perf_counter()
