@@ -17,6 +17,7 @@ import torch
 from hf_paged.core.outputs import NewRequestData
 from hf_paged.sample.logits_processing import TokenCountPool
 from hf_paged.sample.metadata import SamplingRow
+from hf_paged.structured_output.logits_mask import RowMatcher as row_matcher
 
 
 def sampling_row(data: NewRequestData) -> SamplingRow:
@@ -33,6 +34,7 @@ def sampling_row(data: NewRequestData) -> SamplingRow:
         banned_token_ids=data.banned_token_ids,
         bad_word_prefixes=data.bad_word_prefixes,
         siblings=siblings,
+        structured=row_matcher(data.grammar, data.stop_token_ids) if data.grammar else None,
     )
 
 
