@@ -14,6 +14,7 @@ import pytest
 import transformers
 
 from hf_paged import Engine, SamplingParams, StructuredOutputs
+from hf_paged.testing import CHAT_TEMPLATE
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -51,7 +52,11 @@ def json_tokenizer(vocab_size: int = 256):
     core.pre_tokenizer = pre_tokenizers.Metaspace()
     core.decoder = decoders.Metaspace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
