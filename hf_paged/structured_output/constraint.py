@@ -89,7 +89,8 @@ class StructuredOutputs:
             if kind == "json_object":
                 return xgr.Grammar.builtin_json_grammar()
             if kind == "json":
-                return xgr.Grammar.from_json_schema(self.spec)
+                # compact JSON: unbounded whitespace lets a model loop on blank lines
+                return xgr.Grammar.from_json_schema(self.spec, any_whitespace=False)
             if kind in ("regex", "choice"):
                 return xgr.Grammar.from_regex(self.spec)
             return xgr.Grammar.from_ebnf(self.spec)
