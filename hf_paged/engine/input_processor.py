@@ -16,7 +16,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.core.request import Request
 from hf_paged.engine.stop_checker import build_stop_checkers
-from hf_paged.sampling_params import F_RENORM, F_WARP, SamplingParams
+from hf_paged.sampling_params import F_RENORM, F_STRUCTURED, F_WARP, SamplingParams
 
 
 class InputProcessor:
@@ -88,9 +88,10 @@ class InputProcessor:
         stop_checkers = build_stop_checkers(params, self.tokenizer)
         banned, bad_word_prefixes = token_bans(params, eos)
         # every sampling option that reads the token history on the host rules out running
-        # ahead of the host (asynchronous scheduling)
+        # ahead of the host (asynchronous scheduling); a grammar reads it too, but the runner
+        # lands the previous step's tokens for its matchers before sampling (model_runner.py)
         async_ok = (
-            not params.features & ~(F_WARP | F_RENORM)
+            not params.features & ~(F_WARP | F_RENORM | F_STRUCTURED)
             and not params.prompt_logprobs
             and params.n == 1
             and not params.prompt_lookup_num_tokens  # its proposals read the tokens

@@ -89,8 +89,11 @@ class StructuredOutputs:
             if kind == "json_object":
                 return xgr.Grammar.builtin_json_grammar()
             if kind == "json":
-                # compact JSON: unbounded whitespace lets a model loop on blank lines
-                return xgr.Grammar.from_json_schema(self.spec, any_whitespace=False)
+                # compact JSON, no spaces: unbounded whitespace lets a model loop on blank lines,
+                # and ": " needs a space token that not every vocabulary has
+                return xgr.Grammar.from_json_schema(
+                    self.spec, any_whitespace=False, separators=(",", ":")
+                )
             if kind in ("regex", "choice"):
                 return xgr.Grammar.from_regex(self.spec)
             return xgr.Grammar.from_ebnf(self.spec)

@@ -59,9 +59,13 @@ class GrammarBitmask:
         sel, matchers = [], []
         for i, row in enumerate(rows):
             state = row.structured
-            if state is None or state.matcher.is_terminated():
+            if state is None:
                 continue
             refused = state.catch_up(row.token_ids, row.num_prompt_tokens)
+            if state.matcher.is_terminated():
+                # it sampled a stop token: it has ended, and this step's token (asynchronous
+                # scheduling ran it one step ahead) is dropped by the scheduler
+                continue
             if refused is not None:
                 failed[row.req_id] = ValueError(
                     f"structured: token {refused} is not allowed by the request's grammar: "
