@@ -266,6 +266,26 @@ def test_unconstrained_rows_unchanged_in_a_mixed_batch(model, tok, async_schedul
     assert text(tok, outs[5]) in ("red", "green")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_all_tokens_masked_fails_that_request_alone(model, tok, async_scheduling):
+    """A grammar whose next character no token spells ('=' is not in the vocabulary): that
+    request ends with a ValueError saying so; the others finish as usual."""
+    eng = make_engine(model, tok, async_scheduling=async_scheduling)
+    bad = eng.add_request("a", constrained(grammar='root ::= "x" "="', temperature=0))
+    good = eng.add_request("b", SamplingParams(max_tokens=6, temperature=0))
+    also = eng.add_request("c", constrained(regex="[ab]{3}"))
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        eng.check_invariants()
+    assert finals[bad].finish_reason == "error"
+    assert "every allowed token was masked" in str(finals[bad].error)
+    assert len(finals[good].output_token_ids) == 6
+    assert re.fullmatch("[ab]{3}", text(tok, finals[also]))
+
+
 def test_async_on_and_off_give_the_same_tokens(model, tok):
     prompts = ["one", "two", "three"]
     params = [
@@ -280,6 +300,9 @@ def test_async_on_and_off_give_the_same_tokens(model, tok):
         for a in (False, True)
     ]  # fmt: skip
     assert runs[0] == runs[1]
+    eng = make_engine(model, tok, async_scheduling=True)
+    (request,) = eng.inputs.make_requests("x", params[0])
+    assert request.async_ok  # constrained requests run ahead (the runner lands tokens early)
 
 
 def test_preemption_replays_the_matcher(model, tok):
