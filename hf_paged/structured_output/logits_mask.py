@@ -83,6 +83,8 @@ class GrammarBitmask:
             self._batch = xgr.BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, sel)
         if logits.device.type != "cpu":
+            # the pinned buffer is reused: the previous step's copy has finished, since the host
+            # read that step's tokens (sampled after the copy on the same stream) before this
             bitmask = bitmask.to(logits.device, non_blocking=True)
         indices = None if len(sel) == num_rows else sel
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
