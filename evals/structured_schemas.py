@@ -1,4 +1,4 @@
-"""JSON schemas of varied shapes for the structured-output eval: nested objects, arrays, enums,
+"""JSON schemas of varied shapes for the structured output eval: nested objects, arrays, enums,
 numbers with bounds, required and optional fields, each with a prompt that asks for it."""
 
 from __future__ import annotations

@@ -361,7 +361,7 @@ def test_generate_keywords_and_pipeline(model, tok):
             jsonschema.validate(json.loads(s), SCHEMA)
         with pytest.raises(ValueError, match="regex"):
             model.generate(**ids, max_new_tokens=5, regex="(")
-        with pytest.raises(ValueError, match="one structured-output keyword"):
+        with pytest.raises(ValueError, match="one structured output keyword"):
             model.generate(**ids, max_new_tokens=5, regex="a", choice=["b"])
         with pytest.raises(ValueError, match="beam"):
             model.generate(**ids, max_new_tokens=5, regex="a", num_beams=2)

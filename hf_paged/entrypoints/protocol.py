@@ -142,7 +142,7 @@ class _Base(BaseModel):
         if fmt is not None and fmt.get("type") != "text":
             given["response_format"] = None
         if len(given) > 1:
-            raise ValueError(f"{', '.join(sorted(given))}: one structured-output field at a time")
+            raise ValueError(f"{', '.join(sorted(given))}: one structured output field at a time")
         if not given:
             return None
         ((name, kind),) = given.items()

@@ -1,4 +1,4 @@
-"""generate()'s structured-output keywords, which transformers' generate does not have:
+"""generate()'s structured output keywords, which transformers' generate does not have:
 json_schema= (a dict, pydantic model class or JSON text), json_object=True (any JSON), regex=,
 grammar= (EBNF/GBNF, xgrammar's dialect) and choice= (a list of strings). One per call; every
 row of the call gets the same constraint (hf_paged.structured_output)."""
@@ -18,7 +18,7 @@ KEYWORDS = {
 
 
 def pop_structured(kwargs: dict) -> StructuredOutputs | None:
-    """Take the structured-output keywords out of generate's kwargs; ValueError when more than
+    """Take the structured output keywords out of generate's kwargs; ValueError when more than
     one is given or the constraint is bad (naming the keyword)."""
     given = {k: kwargs.pop(k) for k in list(KEYWORDS) if kwargs.get(k) not in (None, False)}
     for k in KEYWORDS:
@@ -26,7 +26,7 @@ def pop_structured(kwargs: dict) -> StructuredOutputs | None:
     if not given:
         return None
     if len(given) > 1:
-        raise ValueError(f"generate: one structured-output keyword at a time, got {sorted(given)}")
+        raise ValueError(f"generate: one structured output keyword at a time, got {sorted(given)}")
     ((name, value),) = given.items()
     try:
         constraint = StructuredOutputs(**{KEYWORDS[name]: value})

@@ -1,4 +1,4 @@
-"""The sampler's one structured-output hook: grammar matchers -> token bitmask -> masked logits.
+"""The sampler's one structured output hook: grammar matchers -> token bitmask -> masked logits.
 
 Each constrained row (a SamplingRow with a RowMatcher) first catches its matcher up with the
 row's output tokens (one accept per token since its last step; a row rebuilt after preemption
