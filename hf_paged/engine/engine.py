@@ -345,6 +345,8 @@ class Engine:
                 return
             self._closed = True
             self.runner.shutdown()
+            if self.inputs.grammars is not None:
+                self.inputs.grammars.shutdown()
             self._release_model()
 
     def reset_prefix_cache(self) -> bool:
