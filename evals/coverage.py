@@ -31,6 +31,7 @@ TINY = dict(
     vocab_size=512,
     sliding_window=32,
     max_position_embeddings=512,
+    is_decoder=True,  # BERT-family LM heads are causal only so (transformers warns otherwise)
     pad_token_id=0,  # special ids inside the small vocabulary (configs validate them)
     bos_token_id=1,
     eos_token_id=2,
@@ -113,7 +114,7 @@ def skip_reason(model_type: str) -> str | None:
 def tiny_model(model_type: str, seed: int = 0, skip: tuple[str, ...] = ()) -> torch.nn.Module:
     """The type's model from its default config shrunk by TINY (less the keys in skip), random
     float32 weights, a sharpened output head (random init gives near-uniform logits whose
-    argmax is a coin flip), EOS off so every prompt runs MAX_NEW_TOKENS."""
+    argmax is a coin flip), EOS off (forced EOS too) so every prompt runs MAX_NEW_TOKENS."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     default = AutoConfig.for_model(model_type)
@@ -136,6 +137,9 @@ def tiny_model(model_type: str, seed: int = 0, skip: tuple[str, ...] = ()) -> to
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     model.generation_config.eos_token_id = None
+    # EOS forced at the last step (Bart's decoders' configs) is a generation option, not the
+    # architecture this report is about (hf_paged refuses it at generate, naming it)
+    model.generation_config.forced_eos_token_id = None
     model.generation_config.pad_token_id = 0
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from hf_paged.integrations.step_positions import install_step_positions, remove_step_positions
 
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION, register
 
@@ -21,11 +22,25 @@ def check_supported(model: torch.nn.Module) -> None:
         raise ValueError(
             f"model: {name} is an encoder-decoder; hf_paged serves decoder-only models"
         )
-    if not getattr(model, "_supports_attention_backend", False):
+    if not routes_attention(model):
         raise ValueError(
             f"model: {name} does not route attention through transformers' AttentionInterface "
-            "(its _supports_attention_backend is False), so paged attention cannot be plugged in"
+            "(its modelling code calls no ALL_ATTENTION_FUNCTIONS), so paged attention cannot "
+            "be plugged in"
         )
+
+
+def routes_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention layers call transformers' attention interface. The class
+    flag _supports_attention_backend says more (that transformers' own continuous batching
+    serves the model) and is False for families that do route attention (StableLM, Bart's
+    decoders, BioGPT): what their code calls decides, read as transformers decides whether
+    set_attn_implementation may switch them. Whether the result is exact is the start-up
+    check's to say (hf_paged/engine/verify.py)."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    return bool(can_set()) if can_set is not None else False
 
 
 class ModelLease:
@@ -61,6 +76,7 @@ def enable_paged_attention(model: torch.nn.Module, owner: object) -> ModelLease:
         if lease is None:
             lease = ModelLease(current)
             model.__dict__[_LEASE] = lease
+        install_step_positions(model)
     lease.owners.add(owner)
     return lease
 
@@ -75,6 +91,7 @@ def disable_paged_attention(model: torch.nn.Module, owner: object) -> bool:
     if lease.owners:
         return False
     del model.__dict__[_LEASE]
+    remove_step_positions(model)
     if lease.previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(lease.previous)
     return True

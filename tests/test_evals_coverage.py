@@ -24,6 +24,9 @@ SUBSET = {
     "gpt_oss": "exact",  # attention sinks (s_aux)
     "deepseek_v3": "exact",  # MLA: keys 24 wide, values 16, heads other than the config's
     "deepseek_v4": "refused",  # compressed KV entries appended to the keys: refused at the probe
+    "roberta": "exact",  # position ids as generate passes them, not padding_idx + 1 onwards
+    "stablelm": "exact",  # routes attention through the interface without the class flag
+    "blenderbot-small": "exact",  # positions built inside the decoder: the step's positions
 }
 
 

@@ -260,10 +260,13 @@ _UNSUPPORTED_KWARGS = ("sinks", "position_bias", "indices", "block_indices")
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
-    if kwargs.get("is_causal") is False:
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        # sdpa reads the module's is_causal when the call passes none (BERT-family LM heads
+        # built without config.is_decoder=True attend both ways)
         raise ValueError(
-            f"{type(module).__name__}: non-causal (bidirectional) attention is not supported by "
-            "hf_paged"
+            f"{type(module).__name__}: non-causal (bidirectional) attention (is_causal=False; "
+            "a BERT-family model is causal only with config.is_decoder=True) is not supported "
+            "by hf_paged"
         )
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:

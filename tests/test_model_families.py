@@ -1,0 +1,99 @@
+"""Families outside the Llama-like mould, exact under the engine: decoders that route attention
+through transformers' interface without the class flag (StableLM, Bart's decoders), positions
+built inside the model (Bart's kin: the step's positions), BERT-family LM heads (causal only with
+is_decoder=True; RoBERTa's position ids as generate passes them). Each: a tiny random float32
+model, greedy, a left-padded batch of mixed lengths against transformers one prompt at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import hf_paged
+
+COMMON = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, is_decoder=True)
+# model class -> config overrides (the fields differ by family)
+FAMILIES = {
+    "StableLmForCausalLM": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, partial_rotary_factor=0.25,
+    ),
+    "BlenderbotSmallForCausalLM": dict(
+        d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+        max_position_embeddings=128,
+    ),
+    "MarianForCausalLM": dict(
+        d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+        max_position_embeddings=128, decoder_start_token_id=0,
+    ),
+    "RobertaForCausalLM": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=130,
+    ),
+    "BertLMHeadModel": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128,
+    ),
+}  # fmt: skip
+LENGTHS = [5, 23, 40]
+NEW_TOKENS = 8
+
+
+def _build(name: str, **overrides) -> torch.nn.Module:
+    model_cls = getattr(transformers, name)
+    config = model_cls.config_class(**{**COMMON, **FAMILIES[name], **overrides})
+    torch.manual_seed(0)
+    model = model_cls(config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.forced_eos_token_id = None
+    with torch.no_grad():  # well-separated greedy choices
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@torch.inference_mode()
+def _greedy(model, ids, mask):
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS
+    )
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_is_exact_on_a_mixed_batch(name, batch_factory, one_torch_thread):
+    model = _build(name)
+    ids, mask = batch_factory(LENGTHS, vocab=256)
+    refs = [
+        _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
+    ]
+    classes = {type(m) for m in model.modules()}
+    hf_paged.patch(model)
+    try:
+        got = _greedy(model, ids, mask)
+    finally:
+        hf_paged.unpatch(model)
+    for i, ref in enumerate(refs):
+        assert torch.equal(got[i], ref[0]), (name, i, got[i], ref[0])
+    # unpatch leaves no instance-level forward behind
+    assert {type(m) for m in model.modules()} == classes
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_step_positions_replace_the_flat_batch_positions():
+    """Blenderbot-small's decoder builds arange(T) for the flat batch: without the step's
+    positions the second prompt of a batch would continue the first one's."""
+    from hf_paged.integrations.step_positions import install_step_positions, remove_step_positions
+
+    model = _build("BlenderbotSmallForCausalLM")
+    assert install_step_positions(model) == 1
+    assert install_step_positions(model) == 0  # already routed
+    remove_step_positions(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_bidirectional_bert_is_refused_naming_is_causal():
+    model = _build("BertLMHeadModel", is_decoder=False)
+    with pytest.raises(ValueError, match=r"is_causal=False.*is_decoder=True"):
+        hf_paged.patch(model)
+    assert model.config._attn_implementation != "hf_paged"
