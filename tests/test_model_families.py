@@ -1,5 +1,7 @@
 """Families outside the Llama-like mould, exact under the engine: decoders that route attention
-through transformers' interface without the class flag (StableLM, Bart's decoders), positions
+through transformers' interface without the class flag (StableLM, Bart's decoders), attention
+cores swapped where the family calls no interface (GPT-Neo, OpenAI-GPT, GPT-NeoX-Japanese),
+positions
 built inside the model (Bart's kin: the step's positions), BERT-family LM heads (causal only with
 is_decoder=True; RoBERTa's position ids as generate passes them). Each: a tiny random float32
 model, greedy, a left-padded batch of mixed lengths against transformers one prompt at a time."""
@@ -13,38 +15,40 @@ import transformers
 import hf_paged
 
 COMMON = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, is_decoder=True)
-# model class -> config overrides (the fields differ by family)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+BART_DECODER = dict(
+    d_model=64,
+    decoder_layers=2,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    max_position_embeddings=128,
+)
+# model_type -> config overrides (the fields differ by family)
 FAMILIES = {
-    "StableLmForCausalLM": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, partial_rotary_factor=0.25,
+    "stablelm": dict(SMALL, num_key_value_heads=2, partial_rotary_factor=0.25),
+    "blenderbot-small": BART_DECODER,
+    "marian": dict(BART_DECODER, decoder_start_token_id=0),
+    "roberta": dict(SMALL, max_position_embeddings=130),
+    "bert": dict(SMALL, max_position_embeddings=128),
+    # attention cores swapped (integrations/attention_adapters.py); GPT-Neo's local layers
+    # see 16 keys, shorter than the longer prompts
+    "gpt_neo": dict(
+        hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=16, max_position_embeddings=128,
     ),
-    "BlenderbotSmallForCausalLM": dict(
-        d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
-        max_position_embeddings=128,
-    ),
-    "MarianForCausalLM": dict(
-        d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
-        max_position_embeddings=128, decoder_start_token_id=0,
-    ),
-    "RobertaForCausalLM": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=130,
-    ),
-    "BertLMHeadModel": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=128,
-    ),
+    "openai-gpt": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+    "gpt_neox_japanese": dict(SMALL, max_position_embeddings=128),
 }  # fmt: skip
 LENGTHS = [5, 23, 40]
 NEW_TOKENS = 8
 
 
-def _build(name: str, **overrides) -> torch.nn.Module:
-    model_cls = getattr(transformers, name)
-    config = model_cls.config_class(**{**COMMON, **FAMILIES[name], **overrides})
+def _build(model_type: str, **overrides) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(
+        model_type, **{**COMMON, **FAMILIES[model_type], **overrides}
+    )
     torch.manual_seed(0)
-    model = model_cls(config).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     model.generation_config.eos_token_id = None
     model.generation_config.forced_eos_token_id = None
     with torch.no_grad():  # well-separated greedy choices
@@ -77,7 +81,7 @@ def test_family_is_exact_on_a_mixed_batch(name, batch_factory, one_torch_thread)
         assert torch.equal(got[i], ref[0]), (name, i, got[i], ref[0])
     # unpatch leaves no instance-level forward behind
     assert {type(m) for m in model.modules()} == classes
-    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any("forward" in m.__dict__ or "_attn" in m.__dict__ for m in model.modules())
 
 
 def test_step_positions_replace_the_flat_batch_positions():
@@ -85,7 +89,7 @@ def test_step_positions_replace_the_flat_batch_positions():
     positions the second prompt of a batch would continue the first one's."""
     from hf_paged.integrations.step_positions import install_step_positions, remove_step_positions
 
-    model = _build("BlenderbotSmallForCausalLM")
+    model = _build("blenderbot-small")
     assert install_step_positions(model) == 1
     assert install_step_positions(model) == 0  # already routed
     remove_step_positions(model)
@@ -93,7 +97,20 @@ def test_step_positions_replace_the_flat_batch_positions():
 
 
 def test_bidirectional_bert_is_refused_naming_is_causal():
-    model = _build("BertLMHeadModel", is_decoder=False)
+    model = _build("bert", is_decoder=False)
     with pytest.raises(ValueError, match=r"is_causal=False.*is_decoder=True"):
         hf_paged.patch(model)
     assert model.config._attn_implementation != "hf_paged"
+
+
+def test_swapped_cores_are_put_back_and_named_layers_removed():
+    from hf_paged.integrations.attention_adapters import (
+        install_attention_adapters,
+        remove_attention_adapters,
+    )
+
+    model = _build("openai-gpt")
+    assert install_attention_adapters(model) == 2
+    assert [m.layer_idx for m in model.modules() if "_attn" in m.__dict__] == [0, 1]
+    remove_attention_adapters(model)
+    assert not any(hasattr(m, "layer_idx") or "_attn" in m.__dict__ for m in model.modules())
