@@ -10,6 +10,11 @@ from hf_paged.integrations.attention_adapters import (
     install_attention_adapters,
     remove_attention_adapters,
 )
+from hf_paged.integrations.attention_forwards import (
+    forward_modules,
+    install_attention_forwards,
+    remove_attention_forwards,
+)
 from hf_paged.integrations.step_positions import install_step_positions, remove_step_positions
 
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION, register
@@ -27,12 +32,12 @@ def check_supported(model: torch.nn.Module) -> None:
         raise ValueError(
             f"model: {name} is an encoder-decoder; hf_paged serves decoder-only models"
         )
-    if not routes_attention(model) and not attention_modules(model):
+    if not routes_attention(model) and not (attention_modules(model) or forward_modules(model)):
         raise ValueError(
             f"model: {name} does not route attention through transformers' AttentionInterface "
             "(its modelling code calls no ALL_ATTENTION_FUNCTIONS) and hf_paged has no adapter "
-            "for its attention modules (integrations/attention_adapters.py), so paged attention "
-            "cannot be plugged in"
+            "for its attention modules (integrations/attention_adapters.py, attention_forwards.py"
+            "), so paged attention cannot be plugged in"
         )
 
 
@@ -79,7 +84,9 @@ def enable_paged_attention(model: torch.nn.Module, owner: object) -> ModelLease:
         if not routes_attention(model):
             lease = lease or ModelLease(current)
             model.__dict__[_LEASE] = lease
-            lease.adapted = install_attention_adapters(model) > 0
+            lease.adapted = (
+                install_attention_adapters(model) + install_attention_forwards(model) > 0
+            )
         elif current != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if not lease_adapted(model) and model.config._attn_implementation != ATTN_IMPLEMENTATION:
@@ -107,6 +114,7 @@ def disable_paged_attention(model: torch.nn.Module, owner: object) -> bool:
     remove_step_positions(model)
     if lease.adapted:
         remove_attention_adapters(model)
+        remove_attention_forwards(model)
     elif lease.previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(lease.previous)
     return True

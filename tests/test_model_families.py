@@ -38,15 +38,30 @@ FAMILIES = {
     ),
     "openai-gpt": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
     "gpt_neox_japanese": dict(SMALL, max_position_embeddings=128),
+    # forwards swapped (integrations/attention_forwards.py): inline attention, ALiBi slopes
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),
+    "mpt": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128),
+    "falcon": dict(SMALL, num_kv_heads=1, max_position_embeddings=128),  # rotary, multi-query
+    "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
+                 max_position_embeddings=128),
+    "trocr": dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+                  max_position_embeddings=128),
+}  # fmt: skip
+# the same type again with other overrides: id -> (model_type, overrides)
+VARIANTS = {
+    # Falcon-RW's ALiBi (scaled with the scores), 8 heads: non-power-of-2 slope spacing
+    "falcon-alibi": ("falcon", dict(SMALL, num_attention_heads=8, alibi=True, multi_query=False,
+                                    new_decoder_architecture=False, max_position_embeddings=128)),
+    "falcon-new-arch": ("falcon", dict(SMALL, num_kv_heads=2, new_decoder_architecture=True,
+                                       max_position_embeddings=128)),
 }  # fmt: skip
 LENGTHS = [5, 23, 40]
 NEW_TOKENS = 8
 
 
-def _build(model_type: str, **overrides) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(
-        model_type, **{**COMMON, **FAMILIES[model_type], **overrides}
-    )
+def _build(name: str, **overrides) -> torch.nn.Module:
+    model_type, fields = VARIANTS.get(name) or (name, FAMILIES[name])
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **fields, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     model.generation_config.eos_token_id = None
@@ -64,15 +79,26 @@ def _greedy(model, ids, mask):
     return out[:, ids.shape[1] :]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, *VARIANTS])
 def test_family_is_exact_on_a_mixed_batch(name, batch_factory, one_torch_thread):
-    model = _build(name)
+    check_exact(name, batch_factory)
+
+
+@pytest.mark.parametrize("name", ["bloom", "falcon-alibi"])
+def test_alibi_through_the_triton_kernels(name, batch_factory, one_torch_thread):
+    """The ALiBi models through the Triton kernels (interpreted on CPU) as well."""
+    # head_dim 16: the kernels' smallest
+    check_exact(name, batch_factory, {"hidden_size": 128}, attention_backend="triton")
+
+
+def check_exact(name, batch_factory, build=None, **options):
+    model = _build(name, **(build or {}))
     ids, mask = batch_factory(LENGTHS, vocab=256)
     refs = [
         _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
     ]
     classes = {type(m) for m in model.modules()}
-    hf_paged.patch(model)
+    hf_paged.patch(model, max_model_len=128, **options)
     try:
         got = _greedy(model, ids, mask)
     finally:
