@@ -1,6 +1,6 @@
 """Paged attention for families whose attention forward computes softmax attention inline.
 
-Bloom, Falcon, MPT, XGLM and TrOCR compute `softmax(Q K^T * scale + bias + mask) V` inside
+Bloom, Falcon, MPT, XGLM, TrOCR and MVP compute `softmax(Q K^T * scale + bias + mask) V` inside
 their attention module's forward, with no method to swap (attention_adapters.py swaps those
 that have one). Inside an engine step (and during the KV-shape probe) the forward here runs
 instead: the module's own projections (fused or separate) and rotary embeddings, the paged
@@ -107,20 +107,28 @@ class ForwardSpec:
     scale: Callable[[torch.nn.Module], float]
     output: Callable  # (module, out [B, T, H * Dv], bound arguments) -> the forward's return
     slopes: Callable[[torch.nn.Module], torch.Tensor | None] = lambda m: None
-    # arguments under which the original forward runs instead (cross-attention)
-    passthrough: Callable[[dict], bool] = lambda a: False
+    # arguments the paged forward does not implement, refused in a step: their name, or None
+    unsupported: Callable[[dict], str | None] = lambda a: None
+
+
+def _extra_keys(a: dict) -> str | None:
+    for name in ("key_value_states", "attn_prompt"):  # cross-attention, MVP's prompt keys
+        if a.get(name) is not None:
+            return name
+    return None
 
 
 _SEPARATE = ForwardSpec(
     _separate_qkv,
     scale=lambda m: 1.0,
     output=lambda m, out, a: (m.out_proj(out), None),
-    passthrough=lambda a: a.get("key_value_states") is not None,
+    unsupported=_extra_keys,
 )
 # attention class name -> its spec; each read from transformers' modelling code
 FORWARDS = {
     "XGLMAttention": _SEPARATE,
     "TrOCRAttention": _SEPARATE,
+    "MvpAttention": _SEPARATE,
     "BloomAttention": ForwardSpec(
         _bloom_qkv, scale=lambda m: m.inv_norm_factor, output=_bloom_out, slopes=_bloom_slopes
     ),
@@ -146,8 +154,12 @@ def _paged_forward(self, *args, **kwargs):
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.apply_defaults()
     a = {**bound.arguments, **bound.arguments.get("kwargs", {})}
-    if spec.passthrough(a):
-        return original(*args, **kwargs)
+    name = spec.unsupported(a)
+    if name is not None:
+        raise ValueError(
+            f"{type(self).__name__}: attention argument {name!r} (keys other than the step's "
+            "tokens) is not supported by hf_paged"
+        )
     q, k, v = spec.qkv(self, a)
     extra = {}
     if slopes is not None:

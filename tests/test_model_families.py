@@ -44,6 +44,7 @@ FAMILIES = {
     "falcon": dict(SMALL, num_kv_heads=1, max_position_embeddings=128),  # rotary, multi-query
     "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
                  max_position_embeddings=128),
+    "mvp": BART_DECODER,
     "trocr": dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
                   max_position_embeddings=128),
 }  # fmt: skip
