@@ -163,7 +163,7 @@ def _paged_forward(self, *args, **kwargs):
     q, k, v = spec.qkv(self, a)
     extra = {}
     if slopes is not None:
-        extra["alibi_slopes"] = slopes.to(q.device)
+        extra["alibi_slopes"] = slopes
     out, _ = paged.paged_attention_forward(
         self, q, k, v, None, scaling=spec.scale(self), **extra
     )  # [1, T, H, Dv]
@@ -201,6 +201,8 @@ def install_attention_forwards(model: torch.nn.Module) -> int:
             module.layer_idx = i
             module.__dict__["_hf_paged_set_layer_idx"] = True
         slopes = spec.slopes(module)
+        if slopes is not None:  # on the module's device once: no copy inside a step or graph
+            slopes = slopes.to(next(module.parameters()).device)
         module.__dict__[_ORIGINAL] = (spec, module.forward, slopes)
         module.forward = types.MethodType(_paged_forward, module)
     return len(found)

@@ -141,3 +141,24 @@ def test_swapped_cores_are_put_back_and_named_layers_removed():
     assert [m.layer_idx for m in model.modules() if "_attn" in m.__dict__] == [0, 1]
     remove_attention_adapters(model)
     assert not any(hasattr(m, "layer_idx") or "_attn" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["bloom", "falcon-alibi", "mpt", "gpt_neo", "falcon"])
+def test_swapped_families_on_the_gpu_with_graphs_and_compile(name, batch_factory):
+    """The Triton kernels (ALiBi among them), CUDA graphs and torch.compile on the swapped
+    modules: float32, greedy, against transformers on the same GPU."""
+    model = _build(name, hidden_size=128).cuda()
+    ids, mask = batch_factory(LENGTHS, vocab=256)
+    ids, mask = ids.cuda(), mask.cuda()
+    refs = [
+        _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
+    ]
+    hf_paged.patch(model, max_model_len=128)
+    try:
+        got = _greedy(model, ids, mask)
+    finally:
+        hf_paged.unpatch(model)
+    for i, ref in enumerate(refs):
+        assert torch.equal(got[i], ref[0]), (name, i, got[i], ref[0])
