@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import string
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 import transformers
 
 from hf_paged import Engine, SamplingParams, StructuredOutputs
-from hf_paged.testing import CHAT_TEMPLATE
+from hf_paged.testing import tiny_tokenizer
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -33,31 +32,8 @@ SCHEMA = {
 
 
 def json_tokenizer(vocab_size: int = 256):
-    """A BPE tokenizer with JSON's characters: <pad>=0, </s>=1, <s>=2, characters, merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "</s>", "<s>"]
-    chars = ["▁", *string.ascii_letters, *string.digits, *".,!?':{}[]\"-+_"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    merges = []
-    pairs = [("▁", c) for c in string.ascii_lowercase]
-    pairs += [(a, b) for a in string.ascii_lowercase for b in string.ascii_lowercase]
-    for a, b in pairs:
-        if len(vocab) >= vocab_size:
-            break
-        vocab[a + b] = len(vocab)
-        merges.append((a, b))
-    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Metaspace()
-    core.decoder = decoders.Metaspace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        eos_token="</s>",
-        bos_token="<s>",
-        chat_template=CHAT_TEMPLATE,
-    )
+    """testing.tiny_tokenizer with JSON's characters too."""
+    return tiny_tokenizer(vocab_size, extra_chars='{}[]"-+_')
 
 
 @pytest.fixture(scope="module")
