@@ -109,12 +109,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("Engine: shut down (shutdown() or unpatch); build a new Engine")
-        adapted = self._lease is not None and self._lease.adapted  # no implementation switched
+        adapted = self._lease is not None and self._lease.adapted  # attention swapped, not set
         if not adapted and self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
-                "model: its attention implementation was switched to "
-                f"{self.model.config._attn_implementation!r} while this Engine is live; the "
-                "Engine needs 'hf_paged' (shut the Engine down before switching)"
+                f"model: attention switched to {self.model.config._attn_implementation!r} while "
+                "this Engine is live; it needs 'hf_paged' (shut the Engine down first)"
             )
 
     # -- requests --------------------------------------------------------------------------------
@@ -337,17 +336,15 @@ class Engine:
             assert self._streams.request_ids() <= waited, "a stream waits for nobody"
 
     def shutdown(self) -> None:
-        """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the
-        garbage collector breaks the runner's reference cycles, and give up the model: the last
-        Engine on it switches its attention back and puts fused projections back. The engine
-        cannot step after (step() raises)."""
+        """Release the KV cache and CUDA graphs now (unpatch calls this), not when the garbage
+        collector gets to them, and give up the model (the last Engine on it restores its
+        attention and projections). step() raises after."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self.runner.shutdown()
-            if self.inputs.grammars is not None:
-                self.inputs.grammars.shutdown()
+            self.inputs.shutdown()  # its grammar compiler's thread
             self._release_model()
 
     def reset_prefix_cache(self) -> bool:
