@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench, spec."""
+coverage, serve-bench, spec, quant-accuracy."""
 
 from __future__ import annotations
 
@@ -138,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="paged engine: steps of at most this many tokens run the fused small-batch forward "
         "(Llama/Mistral/Qwen2 on the Triton backend; default 2; 0 off)",
     )
+    thr.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="paged engine: FP8 weights (docs/quantization.md)",
+    )
+    thr.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="paged engine: auto | fp8_e4m3 | fp8_e5m2 | float16 | bfloat16 | float32",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
     exp = sub.add_parser(
@@ -159,11 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     plots.add_argument("files", nargs="+")
     plots.add_argument("--out", default=str(RESULTS_DIR))
 
+    from .quant_bench import add_parser as add_quant_bench
     from .serve_bench import add_parser as add_serve_bench
     from .spec_bench import add_parser as add_spec_bench
 
     add_serve_bench(sub, _common)
     add_spec_bench(sub, _common)
+    add_quant_bench(sub, _common)
 
     cov = sub.add_parser(
         "coverage",
@@ -328,6 +341,8 @@ def cmd_throughput(args) -> int:
             ("async_scheduling", args.async_scheduling),
             ("fuse_projections", args.fuse_projections),
             ("small_batch_rows", args.small_batch_rows),
+            ("quantization", args.quantization),
+            ("kv_cache_dtype", args.kv_cache_dtype),
         )
         if v is not None
     }
@@ -457,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             from .spec_bench import cmd_spec
 
             return cmd_spec(args, _save)
+        if args.command == "quant-accuracy":
+            from .quant_bench import cmd_quant
+
+            return cmd_quant(args, _save)
         from . import plots
 
         for path in args.files:

@@ -25,6 +25,7 @@ from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.integrations.fused_projections import fuse_projections
 from hf_paged.lora import routing as lora
+from hf_paged.quantization.fp8_weights import check_quantizable, quantize_model
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
 
@@ -72,8 +73,12 @@ class Engine:
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         # before compile and graph capture see the model; put back by the last Engine on it
+        if config.quantization is not None:  # refused before the model is touched
+            check_quantizable(model, config.quantization)
         self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
         self._lease.fused |= self.num_fused_projections > 0
+        if config.quantization is not None:  # the fused matrices are quantised as one
+            quantize_model(model, config.quantization)
         self.core = core = EngineCore(model, config, routing, self.tokenizer)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
