@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument(
         "--dataset",
         action="append",
-        help="synthetic (W1) | sharegpt | shared-prefix | batch1 | workload .json; "
+        help="synthetic (W1) | sharegpt | shared-prefix | batch1 | long-decode (4k prompts, "
+        "512 out, 256 requests) | workload .json; "
         "comma list or repeated (default: synthetic)",
     )
     thr.add_argument(

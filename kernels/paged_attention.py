@@ -414,7 +414,8 @@ def _shared_launch_args(
 ):  # fmt: skip
     """What both attention kernels (paged_attention_kernel's, decode_attention's) take alike: the
     positional run from the sinks pointer to the workspace strides, then the shared constexprs
-    and launch options."""
+    and launch options. scale: the softmax scale, or (softmax scale with k_scale folded in,
+    v_scale) for an FP8 cache."""
     head_dim, head_dim_v = query.shape[2], value_cache.shape[3]
     sliding = sliding_window is not None and sliding_window > 0
     capped = softcap is not None and softcap > 0

@@ -155,3 +155,23 @@ def test_small_batch_forward_off_with_fp8_cache(tiny_model):
         assert "fp8_e4m3" in eng.runner.forward.small_batch_status
     finally:
         eng.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_kv_on_gpu_graphs_parity_and_twice_the_blocks(tiny_model, batch_factory):
+    # Triton kernels compiled, CUDA graphs and compile on (the defaults), float32 compute for
+    # exact parity; then a bf16 model: twice the blocks in the same gpu_memory_utilization
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in batch_factory(LENGTHS))
+    out, ref, _, _ = paged_and_reference(
+        model, ids, mask, {"kv_cache_dtype": "fp8_e4m3"}, max_new_tokens=24
+    )
+    assert torch.equal(out, ref)
+    bf16 = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    blocks = {}
+    for kv in ("auto", "fp8_e4m3"):
+        eng = hf_paged.Engine(bf16, kv_cache_dtype=kv, gpu_memory_utilization=0.3, compile=False)
+        blocks[kv] = eng.runner.num_blocks
+        eng.shutdown()
+    assert 1.95 <= blocks["fp8_e4m3"] / blocks["auto"] <= 2.05, blocks

@@ -183,3 +183,27 @@ def test_fp8_linear_real_shapes_gpu(rows, n, k):
     rel = (got - ref).norm() / ref.norm()
     # GEMV: bf16 output rounding only; scaled_mm adds e4m3 activation rounding (~2^-4 / sqrt)
     assert rel < (5e-3 if rows <= 16 else 3e-2), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_finegrained_fp8_checkpoint_runs_as_loaded_gpu(tiny_model, batch_factory, tmp_path):
+    # transformers' own FP8 checkpoints (FineGrainedFP8Config; it needs a GPU to load them):
+    # the engine runs its FP8Linear layers as they are, output as transformers' generate
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    tiny_model("llama", hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=FineGrainedFP8Config(), device_map="cuda"
+    )
+    ids, mask = (t.cuda() for t in batch_factory([3, 12, 30]))
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    with pytest.raises(ValueError, match="already quantised"):
+        hf_paged.Engine(model, quantization="fp8")
+    hf_paged.patch(model)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+        hf_paged.get_engine(model).check_invariants()
+    finally:
+        hf_paged.unpatch(model)
+    assert torch.equal(out, ref)
