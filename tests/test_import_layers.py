@@ -4,8 +4,8 @@ or inside a function. Layers, low to high:
 
     base (config, envs, sampling_params, gc_freeze)
     < core
-    < sample, worker, kernels, integrations, lora, spec_decode (one layer: they may import each
-      other; the sampler imports nothing from core, the runner only core/outputs.py)
+    < sample, worker, kernels, integrations, lora, spec_decode, quantization (one layer: they may
+      import each other; the sampler imports nothing from core, the runner only core/outputs.py)
     < engine
     < generation
     < entrypoints (the HTTP server)
@@ -52,6 +52,7 @@ LAYERS = {  # longest prefix wins
     "hf_paged.integrations": WORKER,
     "hf_paged.lora": WORKER,
     "hf_paged.spec_decode": WORKER,
+    "hf_paged.quantization": WORKER,
     "hf_paged.engine": ENGINE,
     "hf_paged.generation": GENERATION,
     "hf_paged.entrypoints": ENTRYPOINTS,

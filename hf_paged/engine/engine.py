@@ -73,12 +73,8 @@ class Engine:
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         # before compile and graph capture see the model; put back by the last Engine on it
-        if config.quantization is not None:  # refused before the model is touched
-            check_quantizable(model, config.quantization)
-        self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
+        self.num_fused_projections = _fuse_and_quantize(model, config)
         self._lease.fused |= self.num_fused_projections > 0
-        if config.quantization is not None:  # the fused matrices are quantised as one
-            quantize_model(model, config.quantization)
         self.core = core = EngineCore(model, config, routing, self.tokenizer)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
@@ -354,3 +350,14 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _fuse_and_quantize(model: torch.nn.Module, config: EngineConfig) -> int:
+    """Fused projections, then FP8 weights (the fused matrices quantised as one); a model that
+    cannot be quantised is refused before it is touched. Returns the fused groups."""
+    if config.quantization is not None:
+        check_quantizable(model, config.quantization)
+    fused = fuse_projections(model) if config.fuse_projections else 0
+    if config.quantization is not None:
+        quantize_model(model, config.quantization)
+    return fused
