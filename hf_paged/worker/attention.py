@@ -46,6 +46,7 @@ class AttentionBackend:
         sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss's s_aux)
         k_scale: float = 1.0,  # FP8 caches: a key is k_scale * its stored value
         v_scale: float = 1.0,
+        alibi_slopes: torch.Tensor | None = None,  # [Hq] ALiBi slopes (Bloom, MPT, Falcon)
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -76,12 +77,14 @@ class TorchBackend(AttentionBackend):
         sinks=None,
         k_scale=1.0,
         v_scale=1.0,
+        alibi_slopes=None,
     ):
         from hf_paged.kernels import paged_attention_ref
 
         return paged_attention_ref(
             query, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks,
             k_scale, v_scale,
+            alibi_slopes,
         )  # fmt: skip
 
 
@@ -116,6 +119,7 @@ class TritonBackend(AttentionBackend):
         sinks=None,
         k_scale=1.0,
         v_scale=1.0,
+        alibi_slopes=None,
     ):
         return self._kernels.paged_attention(
             query,
@@ -126,6 +130,7 @@ class TritonBackend(AttentionBackend):
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
             pdl=pdl,
             k_scale=k_scale,
             v_scale=v_scale,
@@ -204,6 +209,10 @@ def paged_attention_forward(
     cap = float(softcap) if softcap else 0.0
     # attention sinks (gpt-oss and kin pass them as s_aux): one extra softmax logit per head
     sinks = kwargs.get("s_aux")
+    # ALiBi slopes, one per query head: passed by the attention adapters of Bloom, MPT and
+    # Falcon's ALiBi variant (integrations/attention_forwards.py); no transformers model passes
+    # them through the attention interface
+    alibi = kwargs.get("alibi_slopes")
     # compile_scope="layers" registers the layer index as a CPU tensor buffer: as a Python int it
     # would be a constant guarded per layer, and compiled decoder layers would compile once per
     # layer instead of sharing one graph (hf_paged/worker/compilation.py).
@@ -213,15 +222,15 @@ def paged_attention_forward(
         raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
     if not torch.compiler.is_compiling():
         layer = int(layer_t) if layer_t is not None else layer_idx
-        out = _paged_attention(q, k, v, layer, float(scaling), window, cap, sinks)
+        out = _paged_attention(q, k, v, layer, float(scaling), window, cap, sinks, alibi)
     elif layer_t is not None:
         # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
         out = torch.ops.hf_paged.paged_attention_t(
-            q, k, v, layer_t, float(scaling), window, cap, sinks
+            q, k, v, layer_t, float(scaling), window, cap, sinks, alibi
         )
     else:
         out = torch.ops.hf_paged.paged_attention(
-            q, k, v, layer_idx, float(scaling), window, cap, sinks
+            q, k, v, layer_idx, float(scaling), window, cap, sinks, alibi
         )
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
@@ -276,10 +285,13 @@ _UNSUPPORTED_KWARGS = ("sinks", "position_bias", "indices", "block_indices")
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
-    if kwargs.get("is_causal") is False:
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        # sdpa reads the module's is_causal when the call passes none (BERT-family LM heads
+        # built without config.is_decoder=True attend both ways)
         raise ValueError(
-            f"{type(module).__name__}: non-causal (bidirectional) attention is not supported by "
-            "hf_paged"
+            f"{type(module).__name__}: non-causal (bidirectional) attention (is_causal=False; "
+            "a BERT-family model is causal only with config.is_decoder=True) is not supported "
+            "by hf_paged"
         )
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -298,6 +310,7 @@ def _paged_attention(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V for one layer, then attend; [T, Hq, Dv] contiguous."""
     ctx = get_forward_context()
@@ -335,6 +348,7 @@ def _paged_attention(
         sinks=sinks,
         k_scale=k_scale,
         v_scale=v_scale,
+        alibi_slopes=alibi,
     )
     return out.contiguous()
 
@@ -349,11 +363,12 @@ def _paged_attention_op(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
     # the per-layer order.
-    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap, sinks)
+    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap, sinks, alibi)
 
 
 @torch.library.custom_op("hf_paged::paged_attention_t", mutates_args=())
@@ -366,13 +381,14 @@ def _paged_attention_t_op(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same, with the layer index as a CPU scalar tensor (per-layer compilation); reading
     it costs no device sync."""
-    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap, sinks)
+    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap, sinks, alibi)
 
 
-def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None):
+def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None, alibi=None):
     return q.new_empty((*q.shape[:2], v.shape[-1]))  # for tracing: [T, Hq, value head size]
 
 
