@@ -25,6 +25,7 @@ from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.integrations.fused_projections import fuse_projections
 from hf_paged.lora import routing as lora
+from hf_paged.quantization.fp8_weights import check_quantizable, quantize_model
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
 
@@ -72,7 +73,7 @@ class Engine:
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         # before compile and graph capture see the model; put back by the last Engine on it
-        self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
+        self.num_fused_projections = _fuse_and_quantize(model, config)
         self._lease.fused |= self.num_fused_projections > 0
         self.core = core = EngineCore(model, config, routing, self.tokenizer)
         # the core's parts, for introspection (stats, tests, benchmarks)
@@ -349,3 +350,14 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _fuse_and_quantize(model: torch.nn.Module, config: EngineConfig) -> int:
+    """Fused projections, then FP8 weights (the fused matrices quantised as one); a model that
+    cannot be quantised is refused before it is touched. Returns the fused groups."""
+    if config.quantization is not None:
+        check_quantizable(model, config.quantization)
+    fused = fuse_projections(model) if config.fuse_projections else 0
+    if config.quantization is not None:
+        quantize_model(model, config.quantization)
+    return fused
