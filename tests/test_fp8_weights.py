@@ -197,7 +197,10 @@ def test_finegrained_fp8_checkpoint_runs_as_loaded_gpu(tiny_model, batch_factory
         tmp_path, quantization_config=FineGrainedFP8Config(), device_map="cuda"
     )
     ids, mask = (t.cuda() for t in batch_factory([3, 12, 30]))
-    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    try:
+        ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    except ImportError as e:  # transformers fetches its FP8 kernels from the hub (`kernels`)
+        pytest.skip(f"transformers cannot run this checkpoint here: {e}")
     with pytest.raises(ValueError, match="already quantised"):
         hf_paged.Engine(model, quantization="fp8")
     hf_paged.patch(model)
