@@ -65,6 +65,8 @@ class ModelLease:
         self.previous = previous  # the attention implementation to restore
         self.fused = False  # some owner fused q/k/v and gate/up projections
         self.lora = None  # hf_paged.lora.layers.LoraRouting: peft's LoRA layers, routed per token
+        # hf_paged.distributed's executor: the model sharded, the other ranks' processes
+        self.tp = None
         # transformers' logits for the start-up check's prompts (hf_paged/engine/verify.py),
         # taken by the first owner under `previous`: later owners must not switch the
         # attention implementation while another Engine may be stepping
