@@ -1,7 +1,8 @@
 """`run.py serve-soak`: the OpenAI server under steady mixed load for minutes, its memory watched.
 
 It starts `hf-paged serve` as a process of its own (`--model tiny`: the tests' 2-layer Llama and
-tokenizer saved to a temporary folder; or a model folder), keeps --clients concurrent clients
+tokenizer saved to a temporary folder, with --adapters random LoRA adapters served beside it;
+or a model folder), keeps --clients concurrent clients
 busy for --minutes (soak_clients.py: streams read to the end, non-streamed n = 2, streams the
 client drops after the first event, bad requests), and every --interval seconds samples the
 server process's resident memory (/proc/PID/statm) and its /metrics (KV usage, running and
@@ -50,6 +51,11 @@ def add_parser(sub, common) -> None:
     p.add_argument("--clients", type=int, default=8, help="concurrent client loops")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--server-threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument(
+        "--adapters", type=int, default=0,
+        help="with --model tiny: N random peft LoRA adapters served as models lora0..; "
+        "requests pick the base or one of them",
+    )  # fmt: skip
     p.add_argument(
         "--engine-option", action="append", default=[], metavar="KEY=VALUE",
         help="an Engine option for the server (num_blocks=512, ...)",
@@ -121,8 +127,9 @@ def _drained(s: dict) -> bool:
 class _Server:
     """`hf-paged serve` in a process of its own, with its log in a file."""
 
-    def __init__(self, model_dir: str, args, port: int, log_path: Path) -> None:
+    def __init__(self, model_dir: str, args, port: int, log_path: Path, loras: list[str]) -> None:
         cmd = [sys.executable, "-m", "hf_paged.entrypoints.serve", model_dir, "--port", str(port)]
+        cmd += [x for lora in loras for x in ("--lora", lora)]
         cmd += ["--api-key", API_KEY, "--served-model-name", MODEL, "--log-level", "warning"]
         if args.dtype != "auto":
             cmd += ["--dtype", args.dtype]
@@ -189,6 +196,8 @@ def _model_dir(args, tmp: str) -> str:
     if args.model != "tiny":
         if not Path(args.model).is_dir():
             raise EvalError(f"--model: 'tiny' or a model folder, got {args.model!r}")
+        if args.adapters:
+            raise EvalError("--adapters: random adapters are built for --model tiny only")
         return args.model
     from .serve_bench import tiny_model
 
@@ -198,20 +207,47 @@ def _model_dir(args, tmp: str) -> str:
     return tmp
 
 
+def _tiny_adapters(n: int, tmp: str) -> list[str]:
+    """n rank-4 LoRA adapters on the tiny model's q/v projections, saved as peft saves them;
+    lora_B drawn at random (peft starts it at zero: no effect). Returns `--lora` values."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from .serve_bench import tiny_model
+
+    out = []
+    for i in range(n):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = get_peft_model(tiny_model()[0], config)
+        torch.manual_seed(i)
+        for module in model.modules():
+            for linear in getattr(module, "lora_B", {}).values():
+                torch.nn.init.normal_(linear.weight, std=0.5)
+        model.save_pretrained(Path(tmp) / f"lora{i}")
+        out.append(f"lora{i}={Path(tmp) / f'lora{i}'}")
+    return out
+
+
 def cmd_serve_soak(args, save) -> int:
     from hf_paged.entrypoints.server_thread import free_port
 
     seconds = 60 * args.minutes
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args, tmp)
+        loras = _tiny_adapters(args.adapters, tmp)
+        models = [MODEL] + [lora.split("=")[0] for lora in loras]
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        server = _Server(model_dir, args, free_port(), Path(tmp) / "server.log")
+        server = _Server(model_dir, args, free_port(), Path(tmp) / "server.log", loras)
         try:
             server.wait_ready()
             card = json.loads(_get(server.url, f"/v1/models/{MODEL}"))
             vocab, max_len = config.get("vocab_size", 256), card["max_model_len"]
-            clients = SoakClients(server.port, MODEL, API_KEY, vocab, max_len, args.seed)
-            print(f"## serve-soak: {args.model}, {args.clients} clients, {args.minutes} min\n")
+            clients = SoakClients(server.port, models, API_KEY, vocab, max_len, args.seed)
+            with_adapters = f" + {args.adapters} LoRA adapters" if args.adapters else ""
+            print(
+                f"## serve-soak: {args.model}{with_adapters}, {args.clients} clients, "
+                f"{args.minutes} min\n"
+            )
             print("| t s | RSS MiB | KV % | running | waiting | in flight |\n" + "|---" * 6 + "|")
             samples, tally, end = asyncio.run(_soak(server, clients, args, seconds))
         finally:

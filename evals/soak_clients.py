@@ -78,8 +78,10 @@ def _events(data: bytes) -> list[dict | str]:
 
 
 class SoakClients:
-    def __init__(self, port: int, model: str, api_key: str, vocab: int, max_model_len: int, seed):
-        self.host, self.port, self.model = "127.0.0.1", port, model
+    """models: the served names; each request that runs picks one (the first: the base)."""
+
+    def __init__(self, port: int, models, api_key: str, vocab: int, max_model_len: int, seed):
+        self.host, self.port, self.models, self.model = "127.0.0.1", port, list(models), models[0]
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.vocab, self.max_model_len = vocab, max_model_len  # prompts' ids; the longest prompt
         self.rng = random.Random(seed)
@@ -117,7 +119,8 @@ class SoakClients:
         return await _open(self.host, self.port, path, payload, self.headers)
 
     def _streamed_body(self, max_tokens: int) -> tuple[str, dict]:
-        body = {"model": self.model, "max_tokens": max_tokens, "ignore_eos": True}
+        body = {"model": self.rng.choice(self.models), "max_tokens": max_tokens}
+        body["ignore_eos"] = True
         body.update(self._sampling(), stream=True, stream_options={"include_usage": True})
         if self.rng.random() < 0.5:
             return "/v1/completions", {**body, "prompt": self._prompt()}
@@ -147,7 +150,8 @@ class SoakClients:
 
     async def _full(self):
         max_tokens = self.rng.randint(4, 16)
-        body = {"model": self.model, "prompt": self._prompt(), "max_tokens": max_tokens, "n": 2}
+        body = {"model": self.rng.choice(self.models), "prompt": self._prompt(), "n": 2}
+        body["max_tokens"] = max_tokens
         body.update(self._sampling(), ignore_eos=True)
         status, chunked, reader, writer = await self._post("/v1/completions", body)
         try:

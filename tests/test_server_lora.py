@@ -211,3 +211,38 @@ def test_bad_lora_options(folders, served):
         build_app(engine, "base", adapters={"physics": "physics"})
     with pytest.raises(ValueError, match="adapters: 'math'"):
         build_app(engine, "math", adapters={"math": "math"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adapters_served_on_the_gpu(folders):
+    """The engine's GPU defaults (Triton LoRA kernels, torch.compile, CUDA graphs), float32:
+    each served name's greedy output equals the offline Engine's with its adapter, requests
+    alone and many at once (adapters mixed in one batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = _args(folders, "--device-map", "cuda", "--dtype", "float32")
+    options = engine_options(args)
+    offline = Engine(*load(args), **options)
+    prompts = [f"{p} {i}" for i in range(6) for p in PROMPTS]
+    names = {"math": "math", "code": "code", "base": None}
+    want = {name: _offline(offline, prompts, adapter) for name, adapter in names.items()}
+    assert len({tuple(w) for w in want.values()}) == 3
+    offline.shutdown()
+    engine, app = build(args, options)
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+        def one(name: str, prompt: str) -> str:
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+            return r.choices[0].text
+
+        for name in names:
+            assert [one(name, p) for p in prompts[:2]] == want[name][:2]
+        jobs = [(name, i) for i in range(len(prompts)) for name in names]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job: one(job[0], prompts[job[1]]), jobs))
+        assert got == [want[name][i] for name, i in jobs]
+    engine.check_invariants()
+    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
+    engine.shutdown()

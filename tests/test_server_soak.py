@@ -1,6 +1,6 @@
 """`evals/run.py serve-soak`: the flat-memory rule tells a leak from noise, and a short soak of
-the real `hf-paged serve` process (streams, n = 2, dropped streams, bad requests) ends with no
-error, every block back in the pool and its memory flat."""
+the real `hf-paged serve` process (streams, n = 2, dropped streams, bad requests; the base and
+two LoRA adapters) ends with no error, every block back in the pool and its memory flat."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def test_flat_memory_rule():
 
 
 def test_short_soak(tmp_path, capsys):
+    pytest.importorskip("peft")
     argv = ["serve-soak", "--minutes", "0.3", "--clients", "3", "--interval", "1.5"]
+    argv += ["--adapters", "2"]  # requests spread over the base and two LoRA adapters
     argv += ["--out", str(tmp_path)]
     assert run.main(argv) == 0, capsys.readouterr().out
     (path,) = tmp_path.glob("serve-soak-*.json")
@@ -51,3 +53,12 @@ def test_short_soak(tmp_path, capsys):
     assert max(s["in_flight"] for s in result["samples"]) > 0
     end = result["end"]
     assert end["kv_usage"] == 0 and end["in_flight"] == 0 and end["running"] == 0
+
+
+def test_soak_bad_options(tmp_path, capsys):
+    argv = ["serve-soak", "--model", str(tmp_path / "none"), "--out", str(tmp_path)]
+    assert run.main(argv) == 2
+    assert "--model" in capsys.readouterr().err
+    argv = ["serve-soak", "--model", str(tmp_path), "--adapters", "1", "--out", str(tmp_path)]
+    assert run.main(argv) == 2
+    assert "--adapters" in capsys.readouterr().err
