@@ -16,7 +16,7 @@ import torch
 
 from hf_paged import Engine, SamplingParams
 from hf_paged.entrypoints.api_server import build_app
-from hf_paged.entrypoints.serve import build, build_parser, engine_options, load
+from hf_paged.entrypoints.serve import build, build_parser, engine_options, load, main
 from hf_paged.entrypoints.server_thread import ServerThread
 from hf_paged.testing import tiny_tokenizer
 
@@ -203,6 +203,7 @@ def test_bad_lora_options(folders, served):
     args = parser.parse_args(["m", "--lora", "a=x", "--lora", "a=y"])
     with pytest.raises(ValueError, match="--lora"):
         engine_options(args)
+    assert main(["serve", "m", "--lora", "a=x", "--lora", "a=y"]) == 2  # before any loading
     args = parser.parse_args(["m", "--served-model-name", "a", "--lora", "a=x"])
     with pytest.raises(ValueError, match="base model's served name"):
         engine_options(args)
@@ -246,3 +247,12 @@ def test_adapters_served_on_the_gpu(folders):
     engine.check_invariants()
     assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
     engine.shutdown()
+
+
+def test_an_adapter_the_engine_cannot_run_is_refused_at_start_up(tmp_path, folders):
+    """A DoRA adapter loads in peft, and the command stops with the engine's ValueError."""
+    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
+    peft.get_peft_model(_conftest().build_model("llama"), cfg).save_pretrained(tmp_path / "dora")
+    args = build_parser().parse_args([str(folders / "base"), "--lora", f"dora={tmp_path / 'dora'}"])
+    with pytest.raises(ValueError, match="DoRA"):
+        build(args, engine_options(args))

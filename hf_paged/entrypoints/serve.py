@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine, app = build(args, options)
+    try:
+        engine, app = build(args, options)
+    except ValueError as exc:  # what the engine refuses (a LoRA variant, ...), after loading
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     gc.freeze()  # the model's heap lives as long as the server: no collection scans it
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
