@@ -92,8 +92,17 @@ def test_alibi_through_the_triton_kernels(name, batch_factory, one_torch_thread)
     check_exact(name, batch_factory, {"hidden_size": 128}, attention_backend="triton")
 
 
-def check_exact(name, batch_factory, build=None, **options):
-    model = _build(name, **(build or {}))
+def test_forced_eos_as_bart_checkpoints_set_it(batch_factory, one_torch_thread):
+    """Bart-family checkpoints set generation_config.forced_eos_token_id: the last new token is
+    that id, as in transformers."""
+    model = _build("blenderbot-small")
+    model.generation_config.forced_eos_token_id = 2
+    got = check_exact("blenderbot-small", batch_factory, model=model)
+    assert (got[:, -1] == 2).all()
+
+
+def check_exact(name, batch_factory, build=None, model=None, **options):
+    model = model or _build(name, **(build or {}))
     ids, mask = batch_factory(LENGTHS, vocab=256)
     refs = [
         _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
@@ -109,6 +118,7 @@ def check_exact(name, batch_factory, build=None, **options):
     # unpatch leaves no instance-level forward behind
     assert {type(m) for m in model.modules()} == classes
     assert not any("forward" in m.__dict__ or "_attn" in m.__dict__ for m in model.modules())
+    return got
 
 
 def test_step_positions_replace_the_flat_batch_positions():
