@@ -30,6 +30,11 @@ REASONS = {
         "scores, and the model prepends prompt_length prompt tokens to every row; the kernels "
         "add no learned bias"
     ),
+    "RwkvSelfAttention": (
+        "RWKV's time mixing is a recurrence (a per-layer state of numerator, denominator and "
+        "maximum carried from token to token), not softmax attention over cached keys; the "
+        "paged cache holds K/V rows"
+    ),
     # its attention (MultiHeadAttention) is standard; the model around it is not
     "XLMModel": (
         "XLM zeroes the hidden states of a row's last n positions when n of its tokens equal "

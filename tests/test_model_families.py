@@ -210,6 +210,8 @@ REFUSED = {
     "xlm": (dict(emb_dim=64, n_layers=2, n_heads=4, causal=True), r"pad_index"),
     "big_bird": (dict(SMALL, max_position_embeddings=128), r"attention_type='block_sparse'"),
     "roformer": (dict(SMALL, is_decoder=False), r"is_decoder=False"),
+    "rwkv": (dict(hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                  intermediate_size=128), r"recurrence"),
 }  # fmt: skip
 
 
