@@ -211,11 +211,13 @@ def test_bad_engine_options(tiny_model):
 
 
 def test_patch_refuses_models_without_the_attention_interface():
-    # XLM's attention calls no interface and hf_paged has no adapter for it (docs/models.md)
-    config = transformers.XLMConfig(
-        vocab_size=64, emb_dim=32, n_layers=1, n_heads=2, causal=True, is_decoder=True
-    )
-    model = transformers.XLMWithLMHeadModel(config).eval()
+    # Reformer's attention (local and LSH) calls no interface and hf_paged has no adapter for it
+    config = transformers.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "lsh"], axial_pos_embds=False, feed_forward_size=64,
+        is_decoder=True,
+    )  # fmt: skip
+    model = transformers.ReformerModelWithLMHead(config).eval()
     with pytest.raises(ValueError, match="AttentionInterface.*no adapter"):
         hf_paged.patch(model)
     assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left swapped
