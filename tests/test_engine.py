@@ -290,6 +290,15 @@ def test_attention_arguments_that_change_semantics_are_refused(tiny_model):
         _refuse_unsupported(module, {"position_bias": torch.zeros(2)})
     # attention sinks are implemented (tests/test_model_features.py)
     _refuse_unsupported(module, {"is_causal": True, "position_ids": torch.zeros(1), "s_aux": 1})
+    # the module's is_causal=False: bidirectional, unless it is a decoder's attention keeping the
+    # flag's default (BigBird-Pegasus's decoder, causal by its mask; the start-up check measures)
+    module.is_causal = False
+    with pytest.raises(ValueError, match="bidirectional"):
+        _refuse_unsupported(module, {})
+    module.is_decoder = True
+    _refuse_unsupported(module, {})
+    with pytest.raises(ValueError, match="bidirectional"):  # the call's own flag still counts
+        _refuse_unsupported(module, {"is_causal": False})
 
 
 def test_siblings_of_n_samples_count_against_max_num_seqs(tiny_model):

@@ -46,6 +46,8 @@ FAMILIES = {
     "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
                  max_position_embeddings=128),
     "mvp": BART_DECODER,
+    # its decoder self-attention keeps is_causal=False (causal by the decoder's mask)
+    "bigbird_pegasus": BART_DECODER,
     # BERT-style self-attention swapped the same way (decoders: is_decoder=True); RoFormer
     # rotates inside its self-attention (values too: its rotary_value variant below)
     "roformer": dict(SMALL, max_position_embeddings=128),
