@@ -182,7 +182,8 @@ def test_falcon_split_is_transformers_split_without_list_indexing(name):
 @pytest.mark.parametrize(
     "name",
     ["bloom", "falcon-alibi", "mpt", "gpt_neo", "falcon", "falcon-new-arch"]
-    + ["roformer", "roformer-rotary-value", "megatron-bert", "rembert", "big_bird"],
+    + ["roformer", "roformer-rotary-value", "megatron-bert", "rembert", "big_bird"]
+    + ["bigbird_pegasus"],
 )
 def test_swapped_families_on_the_gpu_with_graphs_and_compile(name, batch_factory):
     """The Triton kernels (ALiBi among them), CUDA graphs and torch.compile on the swapped
