@@ -1,14 +1,14 @@
 """Paged attention for families whose attention forward computes softmax attention inline.
 
-Bloom, Falcon, MPT, XGLM, TrOCR and MVP compute `softmax(Q K^T * scale + bias + mask) V` inside
-their attention module's forward, with no method to swap (attention_adapters.py swaps those
-that have one). Inside an engine step (and during the KV-shape probe) the forward here runs
-instead: the module's own projections (fused or separate) and rotary embeddings, the paged
-attention function with the module's scale and ALiBi slopes, the module's own output
-projection. Outside a step the module's forward is transformers'. What differs between
-families is data (a ForwardSpec: how to get Q/K/V, the scale, the slopes, how to return), not
-one forward per family. The start-up check (hf_paged/engine/verify.py) still decides whether
-the result is exact.
+Bloom, Falcon, MPT, XGLM, TrOCR, MVP and the BERT-style decoders (MegatronBERT, RemBERT,
+RoFormer, BigBird) compute `softmax(Q K^T * scale + bias + mask) V` inside their attention
+module's forward, with no method to swap (attention_adapters.py swaps those that have one).
+Inside an engine step (and during the KV-shape probe) the forward here runs instead: the
+module's own projections (fused or separate) and rotary embeddings, the paged attention function
+with the module's scale and ALiBi slopes, the module's own output projection. Outside a step the
+module's forward is transformers'. What differs between families is data (a ForwardSpec: how to
+get Q/K/V, the scale, the slopes, how to return), not one forward per family. The start-up check
+(hf_paged/engine/verify.py) still decides whether the result is exact.
 
 ALiBi: the models add slope_h * key_position (Bloom; MPT relative to the last key; Falcon
 scales it with the scores), the kernels slope_h * (key - query), the same softmax per row.
