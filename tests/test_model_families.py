@@ -232,3 +232,25 @@ def test_families_not_run_exactly_are_refused_naming_why(model_type):
     assert not any(
         "forward" in m.__dict__ or "_hf_paged_lease" in m.__dict__ for m in model.modules()
     )
+
+
+def test_cross_attention_in_a_step_is_refused_naming_the_argument():
+    """A swapped BERT-style self-attention class also serves cross-attention (keys from an
+    encoder), which the paged cache does not hold: refused in a step, naming the argument."""
+    from hf_paged.integrations.attention_forwards import (
+        install_attention_forwards,
+        remove_attention_forwards,
+    )
+
+    from hf_paged.worker.forward_context import forward_context
+
+    model = _build("roformer")
+    assert install_attention_forwards(model) == 2
+    attn = model.roformer.encoder.layer[0].attention.self
+    hidden = torch.randn(1, 3, 64)
+    try:
+        with forward_context(None), pytest.raises(ValueError, match="'encoder_hidden_states'"):
+            attn(hidden, encoder_hidden_states=torch.randn(1, 4, 64))
+    finally:
+        remove_attention_forwards(model)
+    assert attn(hidden, encoder_hidden_states=torch.randn(1, 4, 64))[0].shape == (1, 3, 64)
