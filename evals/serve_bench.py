@@ -42,6 +42,11 @@ def add_parser(sub, common) -> None:
     p.add_argument("--clients", type=int, default=256, help="concurrent clients (= max_num_seqs)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--full", action="store_true", help="on CPU, the full workloads")
+    p.add_argument(
+        "--stream-interval-ms", type=float, default=None,
+        help="the server's hand-off pacing per live stream (hf-paged serve's option; "
+        "default: its default)",
+    )  # fmt: skip
     p.add_argument("--url", default=None, help="a running server: clients only, no offline run")
     p.add_argument("--served-model-name", default=None, help="with --url: the model to ask for")
     p.add_argument("--api-key", default=None, help="with --url")
@@ -79,18 +84,25 @@ def tiny_model():
     return LlamaForCausalLM(config).eval(), tiny_tokenizer()
 
 
-def _server_run(model, tokenizer, wl, clients: int, options: dict, progress: bool) -> BackendRun:
+def _server_run(
+    model, tokenizer, wl, clients: int, options: dict, progress: bool, interval_ms=None
+) -> BackendRun:
     from hf_paged import SamplingParams
     from hf_paged.engine.engine import Engine
     from hf_paged.entrypoints.api_server import build_app
     from hf_paged.entrypoints.server_thread import ServerThread
+    from hf_paged.gc_freeze import frozen_heap
 
     engine = Engine(model, tokenizer, max_num_seqs=clients, **options)
     try:
         warm = [r.prompt_token_ids for r in wl.requests[:8]]  # as run_paged: outside the clock
         engine.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         engine.reset_prefix_cache()
-        with ServerThread(build_app(engine, "bench", max_queued=len(wl.requests))) as server:
+        pacing = {} if interval_ms is None else {"stream_interval_s": interval_ms / 1000}
+        app = build_app(engine, "bench", max_queued=len(wl.requests), **pacing)
+        # frozen as `hf-paged serve` freezes its heap (and run_paged its run): no collection
+        # scans the model's objects while the clock runs
+        with frozen_heap(), ServerThread(app) as server:
             timings, wall = _clients(server.url, "bench", wl, clients, None)
         stats = engine.stats()
     finally:
@@ -179,7 +191,9 @@ def cmd_serve_bench(args, save) -> int:
         else:
             runs.append(run_paged(model, wl, clients, options, not args.no_progress))
             runs[-1].backend = "offline"
-            runs.append(_server_run(model, tokenizer, wl, clients, options, False))
+            runs.append(
+                _server_run(model, tokenizer, wl, clients, options, False, args.stream_interval_ms)
+            )
         ms = [metrics(r) for r in runs]
         results.append({"workload": wl.summary(), "clients": clients, "metrics": ms})
         rows.append((wl.summary(), ms))

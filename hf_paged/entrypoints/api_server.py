@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hf_paged.engine.engine import Engine
-from hf_paged.entrypoints.async_engine import AsyncEngine
+from hf_paged.entrypoints.async_engine import STREAM_INTERVAL_S, AsyncEngine
 from hf_paged.entrypoints.metrics import ServerMetrics
 from hf_paged.entrypoints.protocol import (
     APIError,
@@ -166,10 +166,13 @@ def build_app(
     max_queued: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
     adapters: dict[str, str] | None = None,
+    stream_interval_s: float = STREAM_INTERVAL_S,
 ) -> FastAPI:
+    """stream_interval_s: the engine hands outputs to the HTTP side at most once per this many
+    seconds per live stream (AsyncEngine's pacing; 0: after every step)."""
     adapters = dict(adapters or {})
     _check_adapters(engine, model_name, adapters)
-    front = AsyncEngine(engine, max_queued=max_queued)
+    front = AsyncEngine(engine, max_queued=max_queued, stream_interval_s=stream_interval_s)
     serving = OpenAIServing(front, model_name, adapters)
     metrics = ServerMetrics(front, model_name)
     created = int(time.time())

@@ -2,10 +2,19 @@
 
 The engine loop is a thread that calls Engine.step() while requests are live and sleeps
 otherwise. Each HTTP request is one Engine.stream() (one engine request per prompt, plus its
-n - 1 siblings); its outputs land in the stream's buffer during the step, and after the step
-one call_soon_threadsafe per step wakes every coroutine whose stream got something. A coroutine
-drains all its outputs at once, so when the event loop falls behind, one SSE chunk carries
-several tokens instead of the engine waiting for the HTTP side.
+n - 1 siblings); its outputs land in the stream's buffer during the step. One
+call_soon_threadsafe wakes every coroutine whose stream got something since the last hand-off,
+and a coroutine drains all its outputs at once (one SSE chunk however many tokens).
+
+The two threads share the GIL, and the event loop's work per hand-off grows with the number of
+live streams (an event, a write per stream: ~256 of them at a full batch), while the engine's
+Python per step does not. Handing off after every step kept the loop busy all the time, and a
+busy loop takes the GIL from the engine for a whole switch interval each time the engine lets
+it go (a CUDA sync, a kernel launch): at 256 streams the server fell far behind the offline
+engine. So hand-offs are paced: at most one per `stream_interval_s` per live stream
+(0.2 ms each: one stream is handed every step, 256 streams every ~50 ms, several tokens per
+chunk), which bounds the loop's share of the GIL; and while serving, the switch interval is
+short, so the engine waits little for the GIL when the loop does hold it.
 
 Closing a handle (the client went away, or the response is done) closes its stream: its
 unfinished requests are aborted and their blocks freed at once, or at the start of the next step
@@ -16,13 +25,20 @@ past that, submit raises QueueFull (a 429).
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from hf_paged.core.request import RequestOutput
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.stream import RequestStream
 from hf_paged.sampling_params import SamplingParams
+
+# the pacing of hand-offs to the event loop: seconds per live stream (see the module docstring)
+STREAM_INTERVAL_S = 0.0002
+# the interpreter's switch interval while serving (Python's default is 5 ms)
+SWITCH_INTERVAL_S = 0.0002
 
 
 class QueueFull(Exception):
@@ -91,13 +107,22 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queued: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_queued: int = 1024,
+        stream_interval_s: float = STREAM_INTERVAL_S,
+    ) -> None:
         if engine.tokenizer is None:
             raise ValueError("tokenizer: serving needs Engine(model, tokenizer)")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.capacity = engine.config.max_num_seqs + max_queued
+        if not stream_interval_s >= 0:
+            raise ValueError(f"stream_interval_s: must be >= 0, got {stream_interval_s}")
+        self.stream_interval_s = stream_interval_s
+        self.num_handles = 0  # live HTTP requests (event loop thread writes, engine thread reads)
         self.num_in_flight = 0  # sequences submitted and not finished (event loop thread only)
         self.error: BaseException | None = None
         # metrics hooks: hook(output, the served model name its request asked for)
@@ -107,6 +132,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._saved_switch_interval: float | None = None
+        # filled by the engine thread between hand-offs: handles woken, finished outputs
+        self._woken: dict[int, RequestHandle] = {}
+        self._finished: list[tuple[RequestOutput, str | None]] = []
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -114,6 +143,9 @@ class AsyncEngine:
         """Start the engine loop thread; outputs are handed to `loop` (the running one)."""
         self._loop = loop or asyncio.get_running_loop()
         self._stopping = False
+        if self._saved_switch_interval is None:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._saved_switch_interval))
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +156,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
         for handle in list(self._handles.values()):
             handle.close()
 
@@ -149,6 +184,7 @@ class AsyncEngine:
         stream = self.engine.stream(list(prompts), params)
         handle = RequestHandle(self, stream, model_name)
         self.num_in_flight += len(handle.request_ids)
+        self.num_handles += 1
         for rid in handle.request_ids:
             self._handles[rid] = handle
         self._wake.set()
@@ -159,6 +195,7 @@ class AsyncEngine:
             return
         handle.closed = True
         self.num_in_flight -= len(handle.request_ids)
+        self.num_handles -= 1
         for rid in handle.request_ids:
             self._handles.pop(rid, None)
 
@@ -166,6 +203,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        next_handoff = 0.0
         while not self._stopping:
             self._wake.wait()
             self._wake.clear()  # before the check: a submit after it sets it again
@@ -174,22 +212,31 @@ class AsyncEngine:
                     outputs = engine.step()
                 except BaseException as exc:  # the engine is in an unknown state: stop serving
                     self.error = exc
+                    self._handoff()
                     self._loop.call_soon_threadsafe(self._fail_all, exc)
                     return
-                self._dispatch(outputs)
+                self._collect(outputs)
+                now = time.monotonic()
+                if now >= next_handoff:
+                    self._handoff()
+                    next_handoff = now + self.stream_interval_s * self.num_handles
+            self._handoff()  # idle (or stopping): nothing waits for a later step
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _collect(self, outputs: list[RequestOutput]) -> None:
         handles = self._handles
-        woken = {}
-        finished = []
         for out in outputs:
             handle = handles.get(out.request_id)
             if handle is not None:
-                woken[id(handle)] = handle
+                self._woken[id(handle)] = handle
                 if out.finished:
-                    finished.append((out, handle.model_name))
-        if woken or finished:
-            self._loop.call_soon_threadsafe(self._deliver, list(woken.values()), finished)
+                    self._finished.append((out, handle.model_name))
+
+    def _handoff(self) -> None:
+        """Wake, on the event loop, every handle that got outputs since the last hand-off."""
+        if self._woken or self._finished:
+            woken, finished = list(self._woken.values()), self._finished
+            self._woken, self._finished = {}, []
+            self._loop.call_soon_threadsafe(self._deliver, woken, finished)
 
     def _deliver(self, handles: list[RequestHandle], finished: list[tuple]) -> None:
         for handle in handles:

@@ -11,6 +11,7 @@ import sys
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
+from hf_paged.entrypoints.async_engine import STREAM_INTERVAL_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=STREAM_INTERVAL_S * 1000,
+        help="the engine hands tokens to the HTTP side at most once per this many ms per live "
+        "stream (256 streams: every ~51 ms, several tokens per chunk); 0: after every step",
+    )
+    p.add_argument(
         "--engine-option",
         action="append",
         type=_engine_option,
@@ -98,6 +106,8 @@ def check_loras(args) -> None:
 
 def engine_options(args) -> dict:
     check_loras(args)
+    if not args.stream_interval_ms >= 0:
+        raise ValueError(f"--stream-interval-ms: must be >= 0, got {args.stream_interval_ms}")
     options = dict(args.engine_option)
     for key in ("max_num_seqs", "max_model_len"):
         if getattr(args, key) is not None:
@@ -150,6 +160,7 @@ def build(args, options: dict):
         max_queued=args.max_queued,
         max_body_bytes=args.max_body_bytes,
         adapters={name: name for name, _ in args.lora},  # loaded under their served names
+        stream_interval_s=args.stream_interval_ms / 1000,
     )
     return engine, app
 

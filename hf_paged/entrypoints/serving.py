@@ -151,41 +151,57 @@ class OpenAIServing:
             if outs:
                 yield outs
 
-    def _take(self, handle: RequestHandle, choices: list[Choice], out: RequestOutput, want_lp):
-        """File one output on its choice; returns (choice index, new text or None if the
-        choice had already ended)."""
-        i = handle.index[out.request_id]
-        c = choices[i]
+    def _take(
+        self, handle: RequestHandle, choices: list[Choice], outs: list[RequestOutput], want_lp
+    ):
+        """File a choice's outputs of one wake-up (in arrival order) on it; returns the new
+        text, or None if the choice had already ended. The tokens of all of them go through
+        the detokenizer in one call (DecodeStream costs less per token in one batch)."""
+        last = outs[-1]
+        c = choices[handle.index[last.request_id]]
         if c.finish_reason is not None:
-            return i, None
-        new = out.new_token_ids
+            return None
+        new = (
+            outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
+        )
         c.token_ids += new
-        c.num_tokens = out.num_tokens - len(out.prompt_token_ids)
-        if want_lp and out.logprobs is not None:
+        c.num_tokens = last.num_tokens - len(last.prompt_token_ids)
+        if want_lp and last.logprobs is not None:  # the request's list: one entry per token
             first = c.num_tokens - len(new)
-            c.logprobs += [(t, out.logprobs[first + k]) for k, t in enumerate(new)]
-        piece = c.detok.add(new, out.finished)
+            c.logprobs += [(t, last.logprobs[first + k]) for k, t in enumerate(new)]
+        piece = c.detok.add(new, last.finished)
         if c.detok.stopped:
             c.finish_reason = "stop"
-            if not out.finished:
-                handle.end_early(out.request_id)
-        elif out.finished:
-            c.finish_reason = out.finish_reason
-        return i, piece
+            if not last.finished:
+                handle.end_early(last.request_id)
+        elif last.finished:
+            c.finish_reason = last.finish_reason
+        return piece
 
     async def stream(self, handle, choices, want_lp, base, make_choice, usage_of):
-        """The SSE chunks of a streamed response: one event per choice that has something new
-        (make_choice(i, piece, choice) builds it, or None to send nothing), the events of one
-        engine output batched into one write; then usage_of() if asked for, and [DONE]."""
+        """The SSE chunks of a streamed response: at most one event per choice per wake-up
+        (make_choice(i, text, choice) builds it, or None to send nothing), all of them in one
+        write; then usage_of() if asked for, and [DONE].
+
+        A stream that falls behind (the engine hands outputs over every few steps, or the
+        event loop is busy with other streams) finds several outputs of a choice waiting: they
+        go out as one delta holding every token since the last write, as vLLM does and OpenAI
+        clients accept. So the HTTP side costs one JSON event and one write per stream per
+        wake-up however many tokens arrived."""
+        prefix = _event_prefix(base)
+        index = handle.index
         async for outs in self._outputs(handle):
-            events = []
+            by_choice: dict[int, list[RequestOutput]] = {}
             for out in outs:
-                i, piece = self._take(handle, choices, out, want_lp)
+                by_choice.setdefault(index[out.request_id], []).append(out)
+            events = []
+            for i, group in by_choice.items():
+                piece = self._take(handle, choices, group, want_lp)
                 if piece is None:
                     continue
                 choice = make_choice(i, piece, choices[i])
                 if choice is not None:
-                    events.append(sse({**base, "choices": [choice]}))
+                    events.append(f"{prefix}{_dumps(choice)}]}}\n\n")
             if events:
                 yield "".join(events)
         usage = usage_of()
@@ -271,8 +287,17 @@ class OpenAIServing:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
 
 
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(payload)}\n\n"
+
+
+def _event_prefix(base: dict) -> str:
+    """`data: {...base fields...,"choices":[`: the part of a chunk event that is the same for
+    every chunk of a response, serialised once (a choice and `]}` complete it)."""
+    return f'data: {_dumps(base)[:-1]},"choices":['
 
 
 SSE_DONE = "data: [DONE]\n\n"
