@@ -189,6 +189,7 @@ def run_paged(
         ),
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "num_preemptions": stats.get("num_preemptions", 0) - stats0.get("num_preemptions", 0),
+        "num_steps": stats.get("num_steps", 0) - stats0.get("num_steps", 0),
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
         "engine": engine_info,
     }

@@ -105,9 +105,17 @@ def _server_run(
         with frozen_heap(), ServerThread(app) as server:
             timings, wall = _clients(server.url, "bench", wl, clients, None)
         stats = engine.stats()
+        front = app.state.front
     finally:
         engine.shutdown()
-    extra = {"kv_usage": stats["peak_blocks_used"] / stats["num_blocks"], "engine_stats": stats}
+    extra = {
+        "kv_usage": stats["peak_blocks_used"] / stats["num_blocks"],
+        "engine_stats": stats,
+        # the engine loop thread: steps, time inside step(), hand-offs to the event loop
+        "num_steps": front.num_steps,
+        "step_s": front.step_seconds,
+        "num_handoffs": front.num_handoffs,
+    }
     run = BackendRun("server", clients, timings, wall, extra=extra)
     _check_lengths(run, wl)  # every token of every request reached its client
     return run
@@ -229,5 +237,20 @@ def format_rows(desc: str, rows) -> str:
                 f"tok/s; TPOT p50 {_fmt(srv['tpot_p50_ms'], 2)} vs {_fmt(off['tpot_p50_ms'], 2)} "
                 "ms"
             )
+            lines.append(_engine_line(off, srv))
         lines.append("")
     return "\n".join(lines)
+
+
+def _engine_line(off: dict, srv: dict) -> str:
+    """Where the server's time went: its engine loop's steps (time inside step() per step, a
+    slowdown there is the engine waiting for the GIL) and its hand-offs to the event loop, next
+    to the offline engine's steps (its wall time per step: nothing else runs)."""
+    o, s = off["extra"], srv["extra"]
+    if not o.get("num_steps") or not s.get("num_steps"):
+        return "- engine: step counts not recorded"
+    return (
+        f"- engine: offline {o['num_steps']} steps, {1000 * off['wall_s'] / o['num_steps']:.2f} "
+        f"ms/step; server {s['num_steps']} steps, {1000 * s['step_s'] / s['num_steps']:.2f} ms "
+        f"in step() per step, {s['num_handoffs']} hand-offs to the event loop"
+    )

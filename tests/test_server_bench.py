@@ -13,7 +13,7 @@ run = load_evals()
 def test_serve_bench_tiny(tmp_path, capsys):
     argv = ["serve-bench", "--model", "tiny", "--dataset", "synthetic,batch1", "--limit", "6"]
     argv += ["--max-new-tokens", "5", "--clients", "4", "--out", str(tmp_path), "--no-progress"]
-    assert run.main(argv) == 0
+    assert run.main([*argv, "--stream-interval-ms", "0"]) == 0
     out = capsys.readouterr().out
     assert "server / offline" in out
     (path,) = tmp_path.glob("serve-bench-*.json")
@@ -27,6 +27,13 @@ def test_serve_bench_tiny(tmp_path, capsys):
             assert m["output_tok_s"] > 0 and m["ttft_p50_ms"] > 0
         server = next(m for m in r["metrics"] if m["backend"] == "server")
         assert server["extra"]["engine_stats"]["num_running"] == 0
+        # the engine loop's record: every token came out of a step, every step's outputs out
+        # of a hand-off (0 ms pacing: one per step that made tokens, at most)
+        steps = server["extra"]["num_steps"]
+        assert steps >= 5 and 1 <= server["extra"]["num_handoffs"] <= steps
+        assert server["extra"]["step_s"] > 0
+        assert runs["offline"]["extra"]["num_steps"] >= 5
+    assert out.count("- engine: offline") == 2
 
 
 def test_serve_bench_bad_engine_option(tmp_path, capsys):

@@ -133,6 +133,10 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._saved_switch_interval: float | None = None
+        # what the loop thread did (benchmarks tell an engine slowed by the GIL from lag after)
+        self.num_steps = 0
+        self.step_seconds = 0.0  # wall time inside Engine.step()
+        self.num_handoffs = 0
         # filled by the engine thread between hand-offs: handles woken, finished outputs
         self._woken: dict[int, RequestHandle] = {}
         self._finished: list[tuple[RequestOutput, str | None]] = []
@@ -208,6 +212,7 @@ class AsyncEngine:
             self._wake.wait()
             self._wake.clear()  # before the check: a submit after it sets it again
             while not self._stopping and engine.has_unfinished_requests():
+                t = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except BaseException as exc:  # the engine is in an unknown state: stop serving
@@ -215,6 +220,8 @@ class AsyncEngine:
                     self._handoff()
                     self._loop.call_soon_threadsafe(self._fail_all, exc)
                     return
+                self.step_seconds += time.perf_counter() - t
+                self.num_steps += 1
                 self._collect(outputs)
                 now = time.monotonic()
                 if now >= next_handoff:
@@ -236,6 +243,7 @@ class AsyncEngine:
         if self._woken or self._finished:
             woken, finished = list(self._woken.values()), self._finished
             self._woken, self._finished = {}, []
+            self.num_handoffs += 1
             self._loop.call_soon_threadsafe(self._deliver, woken, finished)
 
     def _deliver(self, handles: list[RequestHandle], finished: list[tuple]) -> None:
