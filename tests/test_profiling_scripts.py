@@ -47,3 +47,13 @@ def test_concurrent_generate_compares_threads_with_one_thread_on_the_cpu():
     assert "| 3 threads at once |" in text and "ratio concurrent / one thread:" in text
     assert "outputs equal to the one-thread reference: 6/6; errors: 0" in text
     assert "after: rows held 0, all KV blocks free: True" in text
+
+
+def test_serve_overhead_runs_offline_and_the_server_on_a_stubbed_forward():
+    args = ["--clients", "4", "--new-tokens", "6", "--gpu-ms", "1", "--stream-interval-ms", "0,5"]
+    text = _run(str(PROFILING / "serve_overhead.py"), *args)
+    lines = text.splitlines()
+    assert lines[0].startswith("4 streams x 6 tokens")
+    assert lines[1].startswith("offline") and "tok/s" in lines[1]
+    servers = [line for line in lines if line.startswith("server")]
+    assert len(servers) == 2 and all("hand-offs" in line and "x)" in line for line in servers)

@@ -12,7 +12,7 @@ Python per step does not. Handing off after every step kept the loop busy all th
 busy loop takes the GIL from the engine for a whole switch interval each time the engine lets
 it go (a CUDA sync, a kernel launch): at 256 streams the server fell far behind the offline
 engine. So hand-offs are paced: at most one per `stream_interval_s` per live stream
-(0.2 ms each: one stream is handed every step, 256 streams every ~50 ms, several tokens per
+(0.5 ms each: one stream is handed every step, 256 streams every ~128 ms, many tokens per
 chunk), which bounds the loop's share of the GIL; and while serving, the switch interval is
 short, so the engine waits little for the GIL when the loop does hold it.
 
@@ -36,7 +36,7 @@ from hf_paged.engine.stream import RequestStream
 from hf_paged.sampling_params import SamplingParams
 
 # the pacing of hand-offs to the event loop: seconds per live stream (see the module docstring)
-STREAM_INTERVAL_S = 0.0002
+STREAM_INTERVAL_S = 0.0005
 # the interpreter's switch interval while serving (Python's default is 5 ms)
 SWITCH_INTERVAL_S = 0.0002
 

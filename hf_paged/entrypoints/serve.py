@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=STREAM_INTERVAL_S * 1000,
         help="the engine hands tokens to the HTTP side at most once per this many ms per live "
-        "stream (256 streams: every ~51 ms, several tokens per chunk); 0: after every step",
+        "stream (256 streams: every ~128 ms, many tokens per chunk); 0: after every step",
     )
     p.add_argument(
         "--engine-option",
