@@ -146,4 +146,7 @@ def test_serving_shortens_the_switch_interval_and_restores_it(engine):
     before = sys.getswitchinterval()
     with serve(engine, 0.0)[0]:
         assert sys.getswitchinterval() < before
+        with serve(engine, 0.0)[0]:  # a second server in the process, stopped first
+            pass
+        assert sys.getswitchinterval() < before  # the first still serves
     assert sys.getswitchinterval() == before

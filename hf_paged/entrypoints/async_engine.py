@@ -41,6 +41,32 @@ STREAM_INTERVAL_S = 0.0005
 SWITCH_INTERVAL_S = 0.0002
 
 
+class _SwitchInterval:
+    """The short switch interval while any front serves: the first start sets it, the last
+    shutdown puts back what was there (fronts in one process, tests' servers, overlap)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._saved))
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_switch_interval = _SwitchInterval()
+
+
 class QueueFull(Exception):
     """More sequences asked for than the waiting queue holds."""
 
@@ -132,7 +158,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._saved_switch_interval: float | None = None
+        self._short_switch = False  # this front holds one of _SwitchInterval's references
         # what the loop thread did (benchmarks tell an engine slowed by the GIL from lag after)
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside Engine.step()
@@ -147,9 +173,9 @@ class AsyncEngine:
         """Start the engine loop thread; outputs are handed to `loop` (the running one)."""
         self._loop = loop or asyncio.get_running_loop()
         self._stopping = False
-        if self._saved_switch_interval is None:
-            self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._saved_switch_interval))
+        if not self._short_switch:
+            self._short_switch = True
+            _switch_interval.acquire()
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
 
@@ -160,9 +186,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
+        if self._short_switch:
+            self._short_switch = False
+            _switch_interval.release()
         for handle in list(self._handles.values()):
             handle.close()
 
