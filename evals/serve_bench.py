@@ -220,7 +220,7 @@ def cmd_serve_bench(args, save) -> int:
 def format_rows(desc: str, rows) -> str:
     cols = ["run", "clients", "req", "out tok/s", "TTFT p50 ms", "TTFT p99 ms"]
     cols += ["TPOT p50 ms", "TPOT p99 ms", "wall s"]
-    lines = ["## serve-bench", "", f"- model: {desc}", ""]
+    lines = ["## serve-bench", "", f"- model: {desc}", f"- server: uvicorn on {_http_stack()}", ""]
     for summary, ms in rows:
         lines += [f"### {summary}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for m in ms:
@@ -254,3 +254,13 @@ def _engine_line(off: dict, srv: dict) -> str:
         f"ms/step; server {s['num_steps']} steps, {1000 * s['step_s'] / s['num_steps']:.2f} ms "
         f"in step() per step, {s['num_handoffs']} hand-offs to the event loop"
     )
+
+
+def _http_stack() -> str:
+    """What uvicorn runs on here: it picks uvloop and httptools when they are installed (the
+    serve extra), else asyncio's loop and h11, whose Python per chunk costs the engine GIL time."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"{loop} + {http}"

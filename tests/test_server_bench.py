@@ -16,6 +16,7 @@ def test_serve_bench_tiny(tmp_path, capsys):
     assert run.main([*argv, "--stream-interval-ms", "0"]) == 0
     out = capsys.readouterr().out
     assert "server / offline" in out
+    assert "- server: uvicorn on " in out  # which loop and HTTP parser it ran on
     (path,) = tmp_path.glob("serve-bench-*.json")
     results = json.loads(path.read_text())["results"]
     assert [r["clients"] for r in results] == [4, 1]  # batch1 runs one client
