@@ -22,6 +22,7 @@ from hf_paged.core.outputs import ModelRunnerOutput, ScheduledBatch
 from hf_paged.quantization.kv_cache import kv_cache_scales, kv_cache_torch_dtype
 from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import F_STRUCTURED
+from hf_paged.structured_output.grammar_step import GrammarStep
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.forward_context import ForwardContext, forward_context
@@ -72,6 +73,9 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
+        # structured output under asynchronous scheduling: the grammar's host work of a step
+        # on a helper thread, beside the forward
+        self.grammar_step = GrammarStep(self.sampler.grammar)
         # speculative decoding (hf_paged/spec_decode): proposals for the next step, made after
         # each synchronous step; set by the engine when it speculates
         self.spec = None
@@ -132,6 +136,9 @@ class ModelRunner:
             self.graph_capture_seconds = time.perf_counter() - t0
 
     def shutdown(self) -> None:
+        if self._pending is not None:  # nothing may wait on a sampling never queued
+            self._pending.launch()
+        self.grammar_step.shutdown()
         if self.spec is not None:
             self.spec.shutdown()
             self.spec = None
@@ -157,6 +164,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput | PendingOutput:
         """Run the step. async_output: return as soon as the GPU work is queued, with a
         PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
+        if self._pending is not None:  # a deferred sampling goes before this step's work
+            self._pending.launch()
         self._update_rows(batch)
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
@@ -186,14 +195,17 @@ class ModelRunner:
             # Anything else (temperature, processors, logprobs, beams, forks) samples here; after
             # a decode graph this index_copy_ overwrites its greedy tokens in last_tokens.
             ib = self.input_batch
-            rows = [ib.sampling[r] for r in step.rows[sample_idx].tolist()]
+            row_ids = step.rows[sample_idx]
+            rows = [ib.sampling[r] for r in row_ids.tolist()]
+            if step.features & F_STRUCTURED and async_output and not _forks(rows):
+                return self._defer_sampling(step, rows_logits, rows, rows_t, sample_idx)
             if step.features & F_STRUCTURED and self._pending is not None:
                 self._land(self._pending)  # grammar matchers need the previous step's tokens
             sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
             tokens_t = sampled.tokens
             if self.config.async_scheduling:  # the next step may read them before the host does
                 if rows_t is None:  # (a decode graph's inputs hold them on the device already)
-                    rows_t = to_device(step.rows[sample_idx], self.device)
+                    rows_t = to_device(row_ids, self.device)
                 self.last_tokens.index_copy_(0, rows_t, tokens_t)
         if async_output:
             host = landed
@@ -229,9 +241,39 @@ class ModelRunner:
             **extra,
         )
 
+    def _defer_sampling(self, step, rows_logits, rows, rows_t, sample_idx) -> PendingOutput:
+        """A step with grammar-constrained rows under asynchronous scheduling: its forward is
+        queued; the helper thread accepts the previous step's tokens into the matchers and
+        fills this step's bitmask (structured_output/grammar_step.py) while this thread
+        handles the previous step's output; PendingOutput.launch() then queues the mask and the
+        sampling (EngineCore._step_async calls it, or the next execute / finish_async)."""
+        ib = self.input_batch
+        row_ids = step.rows[sample_idx]
+        epochs = ib.epoch[row_ids]
+        vocab = rows_logits.shape[-1]
+        job = self.grammar_step.submit(rows, vocab, row_ids, epochs, previous=self._pending)
+        on_cuda = self.device.type == "cuda"
+        pending = PendingOutput(
+            len(step.rows), sample_idx.tolist(), row_ids, step.seq_lens[sample_idx], None,
+            epochs, on_cuda,
+        )  # fmt: skip
+
+        def sample() -> None:
+            sampled = self.sampler(rows_logits, rows, ib.penalty_counts, grammar=job.result())
+            rows_dev = rows_t if rows_t is not None else to_device(row_ids, self.device)
+            self.last_tokens.index_copy_(0, rows_dev, sampled.tokens)
+            host = self._host_buffer(len(rows))
+            host.copy_(sampled.tokens, non_blocking=True)
+            pending.sampled(host, sampled.failed)
+
+        pending.deferred = sample
+        self._pending = pending
+        return pending
+
     def finish_async(self, pending: PendingOutput) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; each request still holding the row it sampled in
         (not released or reused meanwhile) gets its token as its row's next input."""
+        pending.launch()
         if pending is self._pending:
             self._pending = None
         tokens = self._land(pending)
@@ -344,3 +386,9 @@ class ModelRunner:
         overwrite step n's tokens before the host has read them."""
         self._host_flip ^= 1
         return self._host_tokens[self._host_flip][:n]
+
+
+def _forks(rows) -> bool:
+    """A row whose siblings sample their first token from its logits this step (n > 1): the
+    sampler adds their rows, and prepares the bitmask itself."""
+    return any(r.siblings and r.num_output_tokens == 0 for r in rows)
