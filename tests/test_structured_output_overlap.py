@@ -16,6 +16,7 @@ import pytest
 from hf_paged import SamplingParams
 from hf_paged.structured_output.grammar_step import GrammarStep, landed_tokens
 from hf_paged.structured_output.logits_mask import RowMatcher, fill_threads
+from hf_paged.worker.model_runner import ModelRunner
 
 pytest.importorskip("xgrammar")
 so = pytest.importorskip("tests.test_structured_output")
@@ -63,12 +64,25 @@ def test_helper_thread_gives_the_synchronous_tokens(model, tok, monkeypatch):
         threads.append(threading.current_thread().name)
         return real(self, *args)
 
+    released_while_deferred = []
+    real_release = ModelRunner.release
+
+    def spy_release(self, req_ids):
+        pending = self._pending
+        if pending is not None and pending.deferred is not None:
+            rows = {self.input_batch.req_to_row.get(r) for r in req_ids}
+            released_while_deferred.extend(rows & set(pending.rows.tolist()))
+        return real_release(self, req_ids)
+
     monkeypatch.setattr(GrammarStep, "_prepare", spy)
+    monkeypatch.setattr(ModelRunner, "release", spy_release)
     sync = run(model, tok, async_scheduling=False)
     assert not threads  # the synchronous engine prepares the bitmask in the sampler
     overlapped = run(model, tok, async_scheduling=True)
     assert threads and all(t.startswith("hf_paged-grammar") for t in threads)
     assert overlapped == sync
+    # requests ended and their rows were released while a step that samples them waited
+    assert released_while_deferred
 
 
 @pytest.mark.parametrize("order", ["helper first", "step loop first"])
@@ -151,6 +165,7 @@ def test_shutdown_with_a_deferred_sampling(model, tok):
     for _ in range(3):
         eng.step()
     pending = eng.runner._pending
-    assert pending is not None and pending.host is not None  # the step loop queued it
-    eng.shutdown()
+    assert pending is not None and pending.deferred is not None  # queued by the next step
+    eng.shutdown()  # queues it (nothing waits forever on it) and stops the helper
+    assert pending.deferred is None and pending.host is not None
     assert eng.runner.grammar_step._pool is None

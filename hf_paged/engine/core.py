@@ -133,11 +133,9 @@ class EngineCore:
         self.scheduler.on_launched(sched, pending.sample_rows)
         self.num_steps += 1
         if self._inflight is not None:  # the GPU now runs this step while the host reads the last
+            # (a step with grammar-constrained rows queues its sampling in the next execute:
+            # hf_paged/structured_output/grammar_step.py has the order)
             outputs = self._resolve_inflight()
-        # a step with grammar-constrained rows queues its sampling only now: its bitmask was
-        # filled on the runner's helper thread while this thread handled the last step's output
-        # (hf_paged/structured_output/grammar_step.py)
-        pending.launch()
         self._inflight = (sched, pending)
         return outputs
 

@@ -1,20 +1,21 @@
 """A step's grammar work on a helper thread, overlapping the forward and the step loop's thread.
 
 Under asynchronous scheduling the bitmask of step n+1 needs step n's tokens, which reach the host
-while step n+1's forward runs. The order (ModelRunner.execute and EngineCore._step_async):
+as step n+1's forward starts. The order (ModelRunner.execute, EngineCore._step_async):
 
-  step loop's thread                          helper thread            GPU
-  launch forward n+1                                                   sample n, then forward n+1
-  submit(n+1's rows, pending n)        ->     wait for n's tokens
-  handle step n's output (scheduler,          accept n's tokens,       forward n+1
-    stop checks, RequestOutputs)              fill n+1's bitmask
-  join; copy + mask + sample n+1 queued                                mask, sample n+1
-  schedule and launch n+2 ...
+  step loop's thread                        helper thread               GPU
+  launch forward n+1; submit its job  ->    wait for n's tokens         sample n, forward n+1
+  handle step n's output (scheduler         accept n's tokens (one      forward n+1
+    update, stop checks, outputs),            batched call), fill n+1's
+    schedule n+2, prepare its inputs          bitmask (several threads)
+  join; queue mask + sample n+1, then                                   mask, sample n+1,
+    launch forward n+2; submit its job ...                              forward n+2
 
 so the grammar's host work runs beside the step loop's own host work (xgrammar releases the GIL
-while it accepts and fills) and both beside the forward; the step loop waits only for what is
-left of it. One job at a time: the next is submitted after this one is joined, so the matchers
-and the bitmask buffer have one user at a time.
+while it accepts and fills), both beside the forward, and the GPU goes from sampling n+1 to
+forward n+2 without waiting for the host's scheduling. The step loop waits only for what is left
+of the job when it needs the bitmask. One job at a time: the next is submitted after this one
+is joined, so the matchers and the bitmask buffer have one user at a time.
 """
 
 from __future__ import annotations

@@ -164,11 +164,14 @@ class ModelRunner:
     ) -> ModelRunnerOutput | PendingOutput:
         """Run the step. async_output: return as soon as the GPU work is queued, with a
         PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
-        if self._pending is not None:  # a deferred sampling goes before this step's work
-            self._pending.launch()
+        deferred = self._pending if self._pending and self._pending.deferred else None
         self._update_rows(batch)
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
+        if deferred is not None:
+            # the last step's sampling (its bitmask filled on the helper thread meanwhile) is
+            # queued just before this step's forward, after this step's host-side preparation
+            deferred.launch()
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
@@ -245,8 +248,14 @@ class ModelRunner:
         """A step with grammar-constrained rows under asynchronous scheduling: its forward is
         queued; the helper thread accepts the previous step's tokens into the matchers and
         fills this step's bitmask (structured_output/grammar_step.py) while this thread
-        handles the previous step's output; PendingOutput.launch() then queues the mask and the
-        sampling (EngineCore._step_async calls it, or the next execute / finish_async)."""
+        handles the previous step's output and schedules and prepares the next step;
+        PendingOutput.launch() then queues the mask and the sampling: the next execute() calls
+        it just before its forward (or finish_async, when no step follows)."""
+        # Rows may be released (their requests ended) and reused before the sampling is queued:
+        # it holds its own SamplingRows, writes a released row's last_tokens entry before the
+        # forward of the row's new owner (whose prompt does not read it), and the tokens of a
+        # released row are dropped by the epoch check. No such step has a penalty row (those
+        # requests run synchronously), so the penalty pool is not touched.
         ib = self.input_batch
         row_ids = step.rows[sample_idx]
         epochs = ib.epoch[row_ids]
