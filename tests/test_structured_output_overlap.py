@@ -1,21 +1,16 @@
-"""Structured output under asynchronous scheduling: the grammar's host work (accepting the last
-step's tokens, filling the bitmask) runs on the runner's helper thread while the step loop's
-thread handles the previous step's output (hf_paged/structured_output/grammar_step.py). The
-tokens must equal the synchronous engine's whichever thread gets to the previous step's tokens
-first."""
+"""Structured output under asynchronous scheduling: a constrained step's sampling is deferred
+until the step loop has handled the previous step's output and prepared the next step, so the
+grammar's host work (accepting the last tokens, filling the bitmask) overlaps the forward
+(ModelRunner._defer_sampling). The tokens must equal the synchronous engine's."""
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import Future
-
-import numpy as np
 import pytest
 
 from hf_paged import SamplingParams
-from hf_paged.structured_output.grammar_step import GrammarStep, landed_tokens
-from hf_paged.structured_output.logits_mask import RowMatcher, fill_threads
+from hf_paged.engine.core import EngineCore
+from hf_paged.structured_output.constraint import import_xgrammar
+from hf_paged.structured_output.logits_mask import GrammarBitmask, RowMatcher, fill_threads
 from hf_paged.worker.model_runner import ModelRunner
 
 pytest.importorskip("xgrammar")
@@ -56,58 +51,41 @@ def run(model, tok, async_scheduling, **options):
     return [o.output_token_ids for o in outs], [o.finish_reason for o in outs]
 
 
-def test_helper_thread_gives_the_synchronous_tokens(model, tok, monkeypatch):
-    threads = []
-    real = GrammarStep._prepare
-
-    def spy(self, *args):
-        threads.append(threading.current_thread().name)
-        return real(self, *args)
-
-    released_while_deferred = []
+def test_deferred_sampling_gives_the_synchronous_tokens(model, tok, monkeypatch):
+    order = []  # what the step loop did, in order
+    real_prepare = GrammarBitmask.prepare
+    real_resolve = EngineCore._resolve_inflight
     real_release = ModelRunner.release
+    released_while_deferred = []
 
-    def spy_release(self, req_ids):
+    def prepare(self, *args):
+        order.append("prepare")
+        return real_prepare(self, *args)
+
+    def resolve(self):
+        order.append("resolve")
+        return real_resolve(self)
+
+    def release(self, req_ids):
         pending = self._pending
         if pending is not None and pending.deferred is not None:
             rows = {self.input_batch.req_to_row.get(r) for r in req_ids}
             released_while_deferred.extend(rows & set(pending.rows.tolist()))
         return real_release(self, req_ids)
 
-    monkeypatch.setattr(GrammarStep, "_prepare", spy)
-    monkeypatch.setattr(ModelRunner, "release", spy_release)
+    monkeypatch.setattr(GrammarBitmask, "prepare", prepare)
+    monkeypatch.setattr(EngineCore, "_resolve_inflight", resolve)
+    monkeypatch.setattr(ModelRunner, "release", release)
     sync = run(model, tok, async_scheduling=False)
-    assert not threads  # the synchronous engine prepares the bitmask in the sampler
+    order.clear()
     overlapped = run(model, tok, async_scheduling=True)
-    assert threads and all(t.startswith("hf_paged-grammar") for t in threads)
     assert overlapped == sync
+    # a deferred step's bitmask is prepared after the previous step's output was handled (each
+    # prepare follows a resolve), so its tokens were in the rows without waiting for them
+    pairs = list(zip(order, order[1:]))
+    assert ("resolve", "prepare") in pairs and ("prepare", "prepare") not in pairs
     # requests ended and their rows were released while a step that samples them waited
     assert released_while_deferred
-
-
-@pytest.mark.parametrize("order", ["helper first", "step loop first"])
-def test_either_thread_may_land_the_last_tokens_first(model, tok, monkeypatch, order):
-    """The helper takes the previous step's tokens from the landing buffer when the row's
-    history does not hold them yet, and from the history when the step loop landed them."""
-    real_submit = GrammarStep.submit
-    real_prepare = GrammarStep._prepare
-
-    def inline(self, rows, vocab, row_ids, epochs, previous=None):
-        done = Future()  # prepared now, before the step loop handles the last step's output
-        done.set_result(real_prepare(self, list(rows), vocab, row_ids, epochs, previous))
-        return done
-
-    def late(self, *args):
-        time.sleep(0.02)  # the step loop lands the tokens meanwhile
-        return real_prepare(self, *args)
-
-    if order == "helper first":
-        monkeypatch.setattr(GrammarStep, "submit", inline)
-    else:
-        monkeypatch.setattr(GrammarStep, "_prepare", late)
-    sync = run(model, tok, async_scheduling=False)
-    assert run(model, tok, async_scheduling=True) == sync
-    monkeypatch.setattr(GrammarStep, "submit", real_submit)
 
 
 def test_preempted_rows_replay_under_the_overlap(model, tok):
@@ -118,40 +96,26 @@ def test_preempted_rows_replay_under_the_overlap(model, tok):
     assert run(model, tok, async_scheduling=True, **small) == sync
 
 
-def test_landed_tokens_match_row_and_epoch():
-    class Pending:
-        deferred = None
-        rows = np.array([4, 7, 9])
-        epochs = np.array([1, 2, 3])
-        positions = np.array([10, 20, 30])
-
-        def wait(self):
-            return np.array([101, 102, 103])
-
-    got = landed_tokens(Pending(), np.array([9, 7, 4, 5]), np.array([3, 9, 1, 1]))
-    # row 9 same epoch, row 7 changed hands (another epoch), row 4 same, row 5 not sampled
-    assert got == {0: (30, 103), 2: (10, 101)}
-    deferred = Pending()
-    deferred.deferred = object()
-    deferred.wait = None  # a deferred step's wait refuses; landed_tokens must not get there
-    with pytest.raises(RuntimeError, match="launched before"):
-        landed_tokens(deferred, np.array([4]), np.array([1]))
-
-
-def test_unseen_takes_the_landed_token_once(tok):
+def test_unseen_and_batched_accept(tok):
     from hf_paged.structured_output.compiler import GrammarService
     from hf_paged.structured_output.constraint import StructuredOutputs
 
     service = GrammarService(tok, len(tok))
     compiled = service.submit(StructuredOutputs(regex="[ab]{4}")).compiled
     service.shutdown()
-    state = RowMatcher(compiled, {tok.eos_token_id})
-    history = [5, 6, 11, 12]  # two prompt tokens, two outputs
-    assert state.unseen(list(history), 2) == [11, 12]
-    assert state.unseen(list(history), 2, landed=(4, 13)) == [11, 12, 13]
-    assert state.unseen(list(history), 2, landed=(3, 12)) == [11, 12]  # already in history
-    state.num_accepted = 2
-    assert state.unseen(list(history), 2, landed=(4, 13)) == [13]
+    a, b, bad = tok.convert_tokens_to_ids(["a", "b", "{"])
+    assert bad != tok.unk_token_id
+    states = [RowMatcher(compiled, {tok.eos_token_id}) for _ in range(3)]
+    assert states[0].unseen([5, 6, a, b], 2) == [a, b]
+    # one new token a row: one batched call; a refused token leaves its matcher before it
+    refused = GrammarBitmask._accept(import_xgrammar(), states, [[a], [b], [bad]])
+    assert refused == [None, None, bad]
+    assert [s.num_accepted for s in states] == [1, 1, 0]
+    # a row replaying several tokens (rebuilt after preemption) accepts them one by one
+    refused = GrammarBitmask._accept(import_xgrammar(), states, [[b, a], [a], [a, bad, b]])
+    assert refused == [None, None, bad]
+    assert [s.num_accepted for s in states] == [3, 2, 1]
+    assert states[0].unseen([5, 6, a, b, a], 2) == []
 
 
 def test_fill_threads_bounded():
@@ -166,6 +130,5 @@ def test_shutdown_with_a_deferred_sampling(model, tok):
         eng.step()
     pending = eng.runner._pending
     assert pending is not None and pending.deferred is not None  # queued by the next step
-    eng.shutdown()  # queues it (nothing waits forever on it) and stops the helper
+    eng.shutdown()  # queues it: nothing waits forever on it
     assert pending.deferred is None and pending.host is not None
-    assert eng.runner.grammar_step._pool is None

@@ -134,7 +134,7 @@ class EngineCore:
         self.num_steps += 1
         if self._inflight is not None:  # the GPU now runs this step while the host reads the last
             # (a step with grammar-constrained rows queues its sampling in the next execute:
-            # hf_paged/structured_output/grammar_step.py has the order)
+            # ModelRunner._defer_sampling has the order)
             outputs = self._resolve_inflight()
         self._inflight = (sched, pending)
         return outputs

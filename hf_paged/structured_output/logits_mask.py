@@ -1,14 +1,14 @@
 """The sampler's one structured output hook: grammar matchers -> token bitmask -> masked logits.
 
-Two parts, so that the host part can run while the GPU computes the step's forward:
+Two parts:
 
 prepare (host only, GrammarBitmask.prepare): each constrained row catches its matcher up with
   the row's output tokens (usually one token a row: one batched accept for all of them; a row
   rebuilt after preemption replays every output token, so recompute needs no rollback), then the
-  rows fill their rows of an int32 bitmask [rows, ceil(V / 32)] (xgrammar's batch fill on
-  several threads). xgrammar releases the GIL in both calls, so under asynchronous scheduling
-  the runner runs this on a helper thread (grammar_step.py) while its own thread handles the
-  previous step's output.
+  rows fill their rows of an int32 bitmask [rows, ceil(V / 32)] (xgrammar's batch fill, on
+  several threads). Under asynchronous scheduling the runner defers a constrained step's
+  sampling so that this runs while the GPU computes that step's forward (model_runner.py,
+  ModelRunner._defer_sampling, has the order).
 apply (GrammarBitmask.apply): one host-to-device copy and one kernel
   (xgrammar.apply_token_bitmask_inplace: CUDA/Triton on a GPU, its C++ loop on the CPU) on the
   constrained rows only. Unconstrained rows are not read or written; a step without a
@@ -41,15 +41,9 @@ class RowMatcher:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
         self.num_accepted = 0  # output tokens the matcher has consumed
 
-    def unseen(self, token_ids: list[int], num_prompt_tokens: int, landed=None) -> list[int]:
-        """The row's output tokens the matcher has not accepted yet. landed: (position, token)
-        of a token sampled by the step before, which the row's history may not hold yet (it
-        is added by the runner's thread, maybe while this runs on the helper)."""
-        start = num_prompt_tokens + self.num_accepted
-        new = token_ids[start:]
-        if landed is not None and landed[0] == start + len(new):
-            new.append(landed[1])
-        return new
+    def unseen(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
+        """The row's output tokens the matcher has not accepted yet."""
+        return token_ids[num_prompt_tokens + self.num_accepted :]
 
     def accept(self, tokens: list[int]) -> int | None:
         """Accept tokens one by one. Returns the first token the grammar refuses (the matcher
@@ -81,17 +75,15 @@ def fill_threads() -> int:
 
 class GrammarBitmask:
     """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand) and the
-    batch matcher. prepare() may run on the runner's helper thread, one job at a time; apply()
-    on the step loop's thread."""
+    batch matcher."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host: torch.Tensor | None = None
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
 
-    def prepare(self, rows: list, vocab: int, landed: dict | None = None) -> GrammarMask:
-        """Catch the rows' matchers up and fill their bitmask. landed: row index -> (position,
-        token) of the previous step's tokens that the rows' histories may not hold yet."""
+    def prepare(self, rows: list, vocab: int) -> GrammarMask:
+        """Catch the rows' matchers up with their histories and fill their bitmask."""
         xgr = import_xgrammar()
         failed = {}
         sel, matchers, news = [], [], []
@@ -99,10 +91,9 @@ class GrammarBitmask:
             state = row.structured
             if state is None:
                 continue
-            known = landed.get(i) if landed else None
             sel.append(i)
             matchers.append(state)
-            news.append(state.unseen(row.token_ids, row.num_prompt_tokens, known))
+            news.append(state.unseen(row.token_ids, row.num_prompt_tokens))
         refused = self._accept(xgr, matchers, news)
         keep_sel, keep = [], []
         for i, state, bad in zip(sel, matchers, refused):

@@ -29,6 +29,8 @@ class PendingOutput:
         # request id -> what failed its sampling (a grammar that refused its token), or None
         self.failed: dict | None = None
         self.on_cuda = on_cuda
+        self.landed = False  # its tokens were written into their rows (ModelRunner._land)
+        self.tokens = None
         self.event = None
         # a step whose sampling waits for its grammar bitmask (structured output): the call
         # that queues it, run by launch() once the previous step's output is handled

@@ -22,7 +22,6 @@ from hf_paged.core.outputs import ModelRunnerOutput, ScheduledBatch
 from hf_paged.quantization.kv_cache import kv_cache_scales, kv_cache_torch_dtype
 from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import F_STRUCTURED
-from hf_paged.structured_output.grammar_step import GrammarStep
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.forward_context import ForwardContext, forward_context
@@ -73,9 +72,6 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
-        # structured output under asynchronous scheduling: the grammar's host work of a step
-        # on a helper thread, beside the forward
-        self.grammar_step = GrammarStep(self.sampler.grammar)
         # speculative decoding (hf_paged/spec_decode): proposals for the next step, made after
         # each synchronous step; set by the engine when it speculates
         self.spec = None
@@ -138,7 +134,6 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self._pending is not None:  # nothing may wait on a sampling never queued
             self._pending.launch()
-        self.grammar_step.shutdown()
         if self.spec is not None:
             self.spec.shutdown()
             self.spec = None
@@ -246,29 +241,39 @@ class ModelRunner:
 
     def _defer_sampling(self, step, rows_logits, rows, rows_t, sample_idx) -> PendingOutput:
         """A step with grammar-constrained rows under asynchronous scheduling: its forward is
-        queued; the helper thread accepts the previous step's tokens into the matchers and
-        fills this step's bitmask (structured_output/grammar_step.py) while this thread
-        handles the previous step's output and schedules and prepares the next step;
-        PendingOutput.launch() then queues the mask and the sampling: the next execute() calls
-        it just before its forward (or finish_async, when no step follows)."""
-        # Rows may be released (their requests ended) and reused before the sampling is queued:
-        # it holds its own SamplingRows, writes a released row's last_tokens entry before the
-        # forward of the row's new owner (whose prompt does not read it), and the tokens of a
-        # released row are dropped by the epoch check. No such step has a penalty row (those
-        # requests run synchronously), so the penalty pool is not touched.
+        queued now, its sampling later. The order, with the GPU beside it:
+
+          host                                            GPU
+          launch forward n+1 (sampling deferred)          sample n, forward n+1
+          handle step n's output (its tokens land),       forward n+1
+            schedule n+2, prepare n+2's inputs,
+            matchers accept n's tokens, fill n+1's mask
+          queue mask + sample n+1, launch forward n+2     mask, sample n+1, forward n+2
+
+        The grammar's work needs step n's tokens, which land as forward n+1 starts; done after
+        the step loop's own work for n+2, all of it overlaps forward n+1, and the GPU goes from
+        sampling n+1 to forward n+2 without waiting for the host (when the host's work fits in
+        a forward). PendingOutput.launch() runs it: the next execute() just before its forward,
+        or finish_async / shutdown when no step follows.
+
+        Rows may be released (their requests ended) and reused before the sampling is queued:
+        it holds its own SamplingRows, writes a released row's last_tokens entry before the
+        forward of the row's new owner (whose prompt does not read it), and the tokens of a
+        released row are dropped by the epoch check. No such step has a penalty row (those
+        requests run synchronously), so the penalty pool is not touched."""
         ib = self.input_batch
         row_ids = step.rows[sample_idx]
-        epochs = ib.epoch[row_ids]
-        vocab = rows_logits.shape[-1]
-        job = self.grammar_step.submit(rows, vocab, row_ids, epochs, previous=self._pending)
-        on_cuda = self.device.type == "cuda"
+        previous = self._pending  # its tokens: the matchers' input
         pending = PendingOutput(
             len(step.rows), sample_idx.tolist(), row_ids, step.seq_lens[sample_idx], None,
-            epochs, on_cuda,
+            ib.epoch[row_ids], self.device.type == "cuda",
         )  # fmt: skip
 
         def sample() -> None:
-            sampled = self.sampler(rows_logits, rows, ib.penalty_counts, grammar=job.result())
+            if previous is not None:
+                self._land(previous)  # (no-op when the step loop has handled its output)
+            mask = self.sampler.grammar.prepare(rows, rows_logits.shape[-1])
+            sampled = self.sampler(rows_logits, rows, ib.penalty_counts, grammar=mask)
             rows_dev = rows_t if rows_t is not None else to_device(row_ids, self.device)
             self.last_tokens.index_copy_(0, rows_dev, sampled.tokens)
             host = self._host_buffer(len(rows))
@@ -298,7 +303,10 @@ class ModelRunner:
         that step has grammar-constrained rows: their matchers must see the previous token
         (structured output under asynchronous scheduling; the forward is already queued, so the
         GPU keeps working while the host waits). Writing twice is harmless (add_tokens)."""
+        if pending.landed:  # its tokens are in the rows already
+            return pending.tokens
         tokens = pending.wait()
+        pending.landed, pending.tokens = True, tokens
         if tokens is None:
             return None
         live = self.input_batch.epoch[pending.rows] == pending.epochs
