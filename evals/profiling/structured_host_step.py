@@ -9,11 +9,12 @@ stands in for the model, its forward replaced by a zero-logits stub.
 
 On a CPU the stub and the sampler's tensor work (the mask kernel, the argmax over [rows, 32000])
 run on the host, where on a GPU they are device work; they are timed and taken out:
-"step loop" is step() minus that work, what the host's thread spends per step. "grammar prepare"
-is the matchers' accept and the bitmask fill, on the step loop's thread (inside the sampler) or
-on the runner's helper thread (hf_paged/structured_output/grammar_step.py), where it overlaps
-the step loop's own work. The phases are found by name, so the script also measures older
-versions of the engine (where the sampler prepared the bitmask itself).
+"step loop" is step() minus that work, what the host's thread spends per step; with asynchronous
+scheduling it overlaps the GPU's forward, so it costs throughput only where it exceeds the GPU's
+time per step, or where the GPU waits for a part of it (ModelRunner._defer_sampling has the
+order). "grammar prepare" is the matchers' accept and the bitmask fill, part of the step loop.
+The phases are found by name, so the script also measures older versions of the engine (where
+the sampler's apply() prepared the bitmask too).
 """
 
 from __future__ import annotations
@@ -114,19 +115,17 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
         raise RuntimeError("the timed steps were not all decode steps of every request")
     engine.runner.grammar_step.shutdown() if hasattr(engine.runner, "grammar_step") else None
     if hasattr(logits_mask.GrammarBitmask, "prepare"):
-        inline = spent[("prepare", True)]
-        helper = spent[("prepare", False)]
+        prepare = spent[("prepare", True)] + spent[("prepare", False)]
+        in_sampler = 0.0  # the runner prepares a deferred step's bitmask before the sampler
     else:  # the older sampler hook: apply() was accept + fill + the kernel
-        inline = spent[("mask apply", True)] - spent[("kernel", True)]
-        helper = 0.0
-    device_work = spent[("sampler", True)] - inline + spent[("forward stub", True)]
+        prepare = in_sampler = spent[("mask apply", True)] - spent[("kernel", True)]
+    device_work = spent[("sampler", True)] - in_sampler + spent[("forward stub", True)]
     ms = 1e3 / steps
     return {
         "step()": total * ms,
         "forward stub + sampler tensor work (device work on a GPU)": device_work * ms,
         "step loop (step() minus that)": (total - device_work) * ms,
-        "grammar prepare on the step loop's thread": inline * ms,
-        "grammar prepare on the helper thread": helper * ms,
+        "of which grammar prepare (accept + fill)": prepare * ms,
     }
 
 

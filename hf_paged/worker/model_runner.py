@@ -24,6 +24,7 @@ from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
+from hf_paged.worker.deferred_sampling import defer_sampling, forks
 from hf_paged.worker.forward_context import ForwardContext, forward_context
 from hf_paged.worker.graph_blockers import graph_blocker
 from hf_paged.worker.host_to_device import to_device
@@ -164,8 +165,8 @@ class ModelRunner:
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
         if deferred is not None:
-            # the last step's sampling (its bitmask filled on the helper thread meanwhile) is
-            # queued just before this step's forward, after this step's host-side preparation
+            # the last step's sampling (structured output) is queued just before this step's
+            # forward, after this step's host-side preparation (worker/deferred_sampling.py)
             deferred.launch()
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
@@ -195,8 +196,11 @@ class ModelRunner:
             ib = self.input_batch
             row_ids = step.rows[sample_idx]
             rows = [ib.sampling[r] for r in row_ids.tolist()]
-            if step.features & F_STRUCTURED and async_output and not _forks(rows):
-                return self._defer_sampling(step, rows_logits, rows, rows_t, sample_idx)
+            if step.features & F_STRUCTURED and async_output and not forks(rows):
+                self._pending = defer_sampling(
+                    self, step, rows_logits, rows, rows_t, sample_idx, self._pending
+                )
+                return self._pending
             if step.features & F_STRUCTURED and self._pending is not None:
                 self._land(self._pending)  # grammar matchers need the previous step's tokens
             sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
@@ -239,51 +243,6 @@ class ModelRunner:
             **extra,
         )
 
-    def _defer_sampling(self, step, rows_logits, rows, rows_t, sample_idx) -> PendingOutput:
-        """A step with grammar-constrained rows under asynchronous scheduling: its forward is
-        queued now, its sampling later. The order, with the GPU beside it:
-
-          host                                            GPU
-          launch forward n+1 (sampling deferred)          sample n, forward n+1
-          handle step n's output (its tokens land),       forward n+1
-            schedule n+2, prepare n+2's inputs,
-            matchers accept n's tokens, fill n+1's mask
-          queue mask + sample n+1, launch forward n+2     mask, sample n+1, forward n+2
-
-        The grammar's work needs step n's tokens, which land as forward n+1 starts; done after
-        the step loop's own work for n+2, all of it overlaps forward n+1, and the GPU goes from
-        sampling n+1 to forward n+2 without waiting for the host (when the host's work fits in
-        a forward). PendingOutput.launch() runs it: the next execute() just before its forward,
-        or finish_async / shutdown when no step follows.
-
-        Rows may be released (their requests ended) and reused before the sampling is queued:
-        it holds its own SamplingRows, writes a released row's last_tokens entry before the
-        forward of the row's new owner (whose prompt does not read it), and the tokens of a
-        released row are dropped by the epoch check. No such step has a penalty row (those
-        requests run synchronously), so the penalty pool is not touched."""
-        ib = self.input_batch
-        row_ids = step.rows[sample_idx]
-        previous = self._pending  # its tokens: the matchers' input
-        pending = PendingOutput(
-            len(step.rows), sample_idx.tolist(), row_ids, step.seq_lens[sample_idx], None,
-            ib.epoch[row_ids], self.device.type == "cuda",
-        )  # fmt: skip
-
-        def sample() -> None:
-            if previous is not None:
-                self._land(previous)  # (no-op when the step loop has handled its output)
-            mask = self.sampler.grammar.prepare(rows, rows_logits.shape[-1])
-            sampled = self.sampler(rows_logits, rows, ib.penalty_counts, grammar=mask)
-            rows_dev = rows_t if rows_t is not None else to_device(row_ids, self.device)
-            self.last_tokens.index_copy_(0, rows_dev, sampled.tokens)
-            host = self._host_buffer(len(rows))
-            host.copy_(sampled.tokens, non_blocking=True)
-            pending.sampled(host, sampled.failed)
-
-        pending.deferred = sample
-        self._pending = pending
-        return pending
-
     def finish_async(self, pending: PendingOutput) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; each request still holding the row it sampled in
         (not released or reused meanwhile) gets its token as its row's next input."""
@@ -302,7 +261,7 @@ class ModelRunner:
         the requests that sampled them. Also called early, before the next step samples, when
         that step has grammar-constrained rows: their matchers must see the previous token
         (structured output under asynchronous scheduling; the forward is already queued, so the
-        GPU keeps working while the host waits). Writing twice is harmless (add_tokens)."""
+        GPU keeps working while the host waits). Once per step: later calls return its tokens."""
         if pending.landed:  # its tokens are in the rows already
             return pending.tokens
         tokens = pending.wait()
@@ -403,9 +362,3 @@ class ModelRunner:
         overwrite step n's tokens before the host has read them."""
         self._host_flip ^= 1
         return self._host_tokens[self._host_flip][:n]
-
-
-def _forks(rows) -> bool:
-    """A row whose siblings sample their first token from its logits this step (n > 1): the
-    sampler adds their rows, and prepares the bitmask itself."""
-    return any(r.siblings and r.num_output_tokens == 0 for r in rows)
