@@ -113,7 +113,6 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
     engine.check_invariants()
     if engine.core.num_steps - first != steps or len(engine.scheduler.running) != running:
         raise RuntimeError("the timed steps were not all decode steps of every request")
-    engine.runner.grammar_step.shutdown() if hasattr(engine.runner, "grammar_step") else None
     if hasattr(logits_mask.GrammarBitmask, "prepare"):
         prepare = spent[("prepare", True)] + spent[("prepare", False)]
         in_sampler = 0.0  # the runner prepares a deferred step's bitmask before the sampler
