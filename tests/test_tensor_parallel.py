@@ -3,7 +3,8 @@
 Greedy output with tensor_parallel_size=2 equals transformers' generate and the one-process
 engine (Llama: KV heads split; Qwen2: one KV head replicated on both ranks, tied embeddings,
 q/k/v biases); options and models that cannot be split are refused with the field named; a
-killed rank ends the run with an error within a bounded time; the model comes back unchanged.
+killed rank ends the run with an error within a bounded time, a killed rank 0 its workers; the
+model comes back unchanged.
 Each engine start spawns one worker process (a Python start-up with torch and transformers)."""
 
 from __future__ import annotations
@@ -162,3 +163,52 @@ def test_a_killed_rank_ends_the_run_with_an_error(tiny_model):
     assert not dist.is_initialized()
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+# Rank 0 in a process of its own: it starts a tp=2 engine, prints its worker's pid, and decodes
+# until it is killed.
+_RANK0 = """
+import sys
+sys.path.insert(0, {root!r})
+import hf_paged
+from tests.conftest import build_model
+
+engine = hf_paged.Engine(build_model("llama"), tensor_parallel_size=2, **{options!r})
+print(engine.runner.tp.procs[0].pid, flush=True)
+long = hf_paged.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+while True:
+    engine.generate([[5, 6, 7]] * 4, long)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_killed_rank_0_ends_its_workers():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = _RANK0.format(root=root, options=OPTIONS)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(2.0)  # decoding: the worker waits in a collective or for the next step
+        assert proc.poll() is None and _alive(worker)
+        proc.kill()  # SIGKILL: no atexit, no finally, the daemon flag does not apply
+        proc.wait(10)
+        deadline = time.monotonic() + 60
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker), "rank 1 outlived rank 0 by a minute: a hang"
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -1,11 +1,14 @@
 """Multi-LoRA throughput: the base model vs 1 adapter vs N adapters spread over the requests.
 
     python evals/profiling/lora_bench.py [--shape llama-3-8b] [--adapters 8] [--rank 16]
-        [--requests 256] [--new-tokens 256] [--hf-batch 64] [--device cuda] [--dtype bfloat16]
+        [--workload synthetic|FILE.json] [--requests 256] [--new-tokens 256] [--hf-batch 64]
+        [--hf-requests 128] [--device cuda] [--dtype bfloat16]
         [engine options: --compile 0 --max-loras 8 ...]
 
 A model of the shape with random weights; W1's prompts (evals/workloads.py, the first
---requests), --new-tokens output tokens each, EOS ignored. First the base model on the engine
+--requests), --new-tokens output tokens each, EOS ignored; or a workload file saved by
+`run.py export-workload` (e.g. ShareGPT's real prompt and output lengths), each request its own
+output length. First the base model on the engine
 with its defaults (and the engine options given); then the same model as a PeftModel with
 --adapters adapters of rank --rank on all seven projections (q/k/v/o, gate/up/down; lora_B drawn
 at random so they cost what real ones do), all requests on one adapter, then request i on
@@ -13,9 +16,11 @@ adapter i % N. Then batch 1 (one 128-token prompt) without and with an adapter. 
 preceded by a warm-up on 8 prompts (Triton JIT, compile, graphs). With --hf-batch B > 0, the
 same requests through transformers + peft generate in static batches of B (left padding, EOS
 off, evals/backends.py's settings): one adapter (peft's active adapter), then the spread as
-peft's adapter_names. Prints output tokens/s, the ratios to the base model, and the engine's
-ratio to transformers + peft; the issue's targets: N adapters >= 85% of base, 1 adapter >= 90%,
-batch 1 with an adapter >= 85% of batch 1 without.
+peft's adapter_names, over the first --hf-requests requests (tok/s of full static batches, so
+a subset measures the same rate in less time). Prints output tokens/s, each row as it is
+measured, the ratios to the base model, and the engine's ratio to transformers + peft (W1
+only), and batch 1's bandwidth bound (weight bytes / 4.2 TB/s). The targets: N adapters >= 85%
+of base, 1 adapter >= 90%, batch 1 with an adapter >= 85% of batch 1 without.
 
 --device cpu --dtype float32 --shape smollm2-135m runs the same on the CPU (a smoke test).
 """
@@ -26,7 +31,7 @@ import argparse
 import time
 
 import torch
-from bench_setup import SHAPES, add_engine_options, build_model, engine_options, w1_prompts
+from bench_setup import PEAK_BW, SHAPES, add_engine_options, build_model, engine_options, workloads
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -36,13 +41,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(eng, prompts, names, new_tokens: int, device: str) -> float:
-    """Output tokens/s of one generate call over these prompts (names[i]: request i's adapter)."""
+def run(eng, prompts, names, lengths: list[int], device: str) -> float:
+    """Output tokens/s of one generate call over these prompts (names[i]: request i's adapter,
+    lengths[i]: its output tokens)."""
     from hf_paged import SamplingParams
 
     params = [
-        SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, adapter=name)
-        for name in names
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, adapter=name)
+        for name, n in zip(names, lengths)
     ]
     warm = min(8, len(prompts))
     eng.generate(prompts[:warm], params[:warm])  # JIT, compile, graphs: not timed
@@ -55,8 +61,8 @@ def run(eng, prompts, names, new_tokens: int, device: str) -> float:
 
 
 def run_hf(model, prompts, names, new_tokens: int, batch: int, device: str) -> float:
-    """Output tokens/s of transformers + peft generate in static batches (names: peft's
-    adapter_names per row, or None: the active adapter)."""
+    """Output tokens/s of transformers + peft generate in static batches of new_tokens each
+    (names: peft's adapter_names per row, or None: the active adapter)."""
     from hf_paged_evals.backends import _left_pad, _pad_id, hf_generate_config
 
     dev = torch.device(device)
@@ -103,9 +109,11 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama-1.1b", choices=SHAPES)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--workload", default="synthetic", help="synthetic (W1) or a .json file")
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256, help="W1's output tokens")
     parser.add_argument("--hf-batch", type=int, default=64, help="0: no transformers + peft run")
+    parser.add_argument("--hf-requests", type=int, default=128, help="requests run by peft")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add_engine_options(parser)
@@ -113,57 +121,64 @@ def main() -> None:
     opts = engine_options(args)
     model = build_model(args.shape, getattr(torch, args.dtype), args.device)
     vocab = model.config.vocab_size
-    prompts = w1_prompts(vocab, seed=0)[: args.requests]
+    if args.workload == "synthetic":
+        wl = workloads.synthetic(vocab, seed=0).with_max_new_tokens(args.new_tokens)
+    else:
+        wl = workloads.load_workload_file(args.workload, vocab)
+    wl = wl.limited(args.requests)
+    prompts = [r.prompt_token_ids for r in wl.requests]
+    lengths = [r.max_new_tokens for r in wl.requests]
     one = [torch.randint(3, vocab, (128,), generator=torch.Generator().manual_seed(1)).tolist()]
     n, new = len(prompts), args.new_tokens
-    rows = []
+    print(
+        f"{args.shape} {args.dtype} {args.device} ({describe_device(args.device)}): "
+        f"{wl.summary()}; rank {args.rank} on {len(PROJECTIONS)} projections, options {opts}",
+        flush=True,
+    )
+    print("| run | output tok/s | / base |\n| --- | ---: | ---: |", flush=True)
+
+    def row(name: str, tps: float, ref: float) -> None:
+        print(f"| {name} | {tps:,.1f} | {tps / ref:.1%} |", flush=True)
 
     eng = Engine(model, **opts)
-    base = run(eng, prompts, [None] * n, new, args.device)
-    base1 = run(eng, one, [None], 2 * new, args.device)
+    base = run(eng, prompts, [None] * n, lengths, args.device)
+    row("base model", base, base)
+    base1 = run(eng, one, [None], [2 * new], args.device)
     eng.shutdown()
-    rows.append(("base model", base, 1.0))
 
     model = add_adapters(model, args.adapters, args.rank)
     eng = Engine(model, **{"max_loras": max(8, args.adapters), **opts})
-    single = run(eng, prompts, ["a0"] * n, new, args.device)
-    rows.append(("1 adapter", single, single / base))
+    single = run(eng, prompts, ["a0"] * n, lengths, args.device)
+    row("1 adapter", single, base)
     spread = [f"a{i % args.adapters}" for i in range(n)]
-    many = run(eng, prompts, spread, new, args.device)
-    rows.append((f"{args.adapters} adapters, uniform", many, many / base))
-    lora1 = run(eng, one, ["a0"], 2 * new, args.device)
+    many = run(eng, prompts, spread, lengths, args.device)
+    row(f"{args.adapters} adapters, uniform", many, base)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.base_model.parameters())
+    print(f"batch 1 bound (weights / 4.2 TB/s): {PEAK_BW / weight_bytes:,.1f} tok/s", flush=True)
+    row("batch 1, base", base1, base1)
+    row("batch 1, 1 adapter", run(eng, one, ["a0"], [2 * new], args.device), base1)
     eng.shutdown()
-    hf = []
-    if args.hf_batch > 0:
+    if args.hf_batch > 0 and args.workload == "synthetic":
+        # static batches of W1's prompts at --new-tokens each, against the engine's W1-shaped run
+        hf_prompts = prompts[: args.hf_requests]
+        print(
+            f"\ntransformers + peft generate, static batches of {args.hf_batch}, "
+            f"{len(hf_prompts)} requests x {new} tokens\n"
+            "| run | hf_paged tok/s | transformers + peft tok/s | ratio |\n"
+            "| --- | ---: | ---: | ---: |",
+            flush=True,
+        )
         model.set_adapter("a0")
-        hf.append(
-            ("1 adapter", single, run_hf(model, prompts, None, new, args.hf_batch, args.device))
-        )
-        mixed = ["__base__" if n is None else n for n in spread]
-        hf.append(
-            (
-                f"{args.adapters} adapters",
-                many,
-                run_hf(model, prompts, mixed, new, args.hf_batch, args.device),
-            )
-        )
+        theirs = run_hf(model, hf_prompts, None, new, args.hf_batch, args.device)
+        print(f"| 1 adapter | {single:,.0f} | {theirs:,.0f} | {single / theirs:.2f}x |", flush=True)
+        mixed = spread[: len(hf_prompts)]
+        theirs = run_hf(model, hf_prompts, mixed, new, args.hf_batch, args.device)
+        label = f"{args.adapters} adapters"
+        print(f"| {label} | {many:,.0f} | {theirs:,.0f} | {many / theirs:.2f}x |", flush=True)
 
-    print(
-        f"{args.shape} {args.dtype} {args.device}, {n} requests x {new} new tokens, "
-        f"rank {args.rank} on {len(PROJECTIONS)} projections, options {opts}"
-    )
-    print("| run | output tok/s | / base |")
-    print("| --- | ---: | ---: |")
-    for name, tps, ratio in rows:
-        print(f"| {name} | {tps:,.0f} | {ratio:.1%} |")
-    print(f"| batch 1, base | {base1:,.1f} | 100.0% |")
-    print(f"| batch 1, 1 adapter | {lora1:,.1f} | {lora1 / base1:.1%} |")
-    if hf:
-        print(f"\ntransformers + peft generate, static batches of {args.hf_batch}")
-        print("| run | hf_paged tok/s | transformers + peft tok/s | ratio |")
-        print("| --- | ---: | ---: | ---: |")
-        for name, ours, theirs in hf:
-            print(f"| {name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f}x |")
+
+def describe_device(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "CPU"
 
 
 if __name__ == "__main__":
