@@ -64,3 +64,29 @@ def test_engine_with_graphs_and_async():
         jsonschema.validate(json.loads(structured.text(tok, out)), schema)
     assert re.fullmatch(r"\d{4}", structured.text(tok, outs[-1]))
     eng.check_invariants()
+
+
+def test_deferred_sampling_matches_the_synchronous_engine_with_graphs():
+    """Under asynchronous scheduling a constrained step's sampling is queued after the next
+    step's preparation, just before its forward (CUDA-graph replays included): greedy tokens
+    equal the synchronous engine's, constrained and unconstrained rows alike."""
+    conftest = sys.modules["tests.conftest"]
+    structured = pytest.importorskip("tests.test_structured_output")
+    from hf_paged import Engine, SamplingParams, StructuredOutputs
+
+    tok = structured.json_tokenizer()
+    model = conftest.build_model("llama").cuda()
+    params = [
+        SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutputs(json=s))
+        for s in (structured.SCHEMA, {"type": "array", "items": {"type": "integer"}})
+    ]
+    params += [SamplingParams(max_tokens=16, temperature=0)] * 2
+    params.append(SamplingParams(max_tokens=20, structured=StructuredOutputs(regex=r"[a-f]{6}")))
+    prompts = [f"prompt {i}" for i in range(len(params))]
+    runs = []
+    for async_scheduling in (False, True):
+        eng = Engine(model, tok, max_num_seqs=16, async_scheduling=async_scheduling)
+        runs.append([o.output_token_ids for o in eng.generate(prompts, params)])
+        eng.check_invariants()
+        eng.shutdown()
+    assert runs[0] == runs[1]

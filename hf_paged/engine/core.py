@@ -133,6 +133,8 @@ class EngineCore:
         self.scheduler.on_launched(sched, pending.sample_rows)
         self.num_steps += 1
         if self._inflight is not None:  # the GPU now runs this step while the host reads the last
+            # (a step with grammar-constrained rows queues its sampling in the next execute:
+            # ModelRunner._defer_sampling has the order)
             outputs = self._resolve_inflight()
         self._inflight = (sched, pending)
         return outputs

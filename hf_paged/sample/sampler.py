@@ -23,7 +23,7 @@ import torch
 from hf_paged.sample.logits_processing import TokenCountPool, process_logits
 from hf_paged.sample.metadata import SamplerOutput, SamplingRow
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_STRUCTURED, F_WARP
-from hf_paged.structured_output.logits_mask import GrammarBitmask
+from hf_paged.structured_output.logits_mask import GrammarBitmask, GrammarMask
 from hf_paged.worker.host_to_device import device_tensor
 
 
@@ -49,10 +49,15 @@ class Sampler:
         self.grammar = GrammarBitmask(device)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], pool: TokenCountPool | None = None
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        pool: TokenCountPool | None = None,
+        grammar: GrammarMask | None = None,
     ) -> SamplerOutput:
         """logits: float [B, V] for the B rows that sample this step; pool: the penalty counts
-        (rows with a penalty need it)."""
+        (rows with a penalty need it); grammar: the constrained rows' bitmask when the runner
+        prepared it ahead (while the forward ran), else it is prepared here."""
         feats = [r.features for r in rows]
         any_feats = 0
         for f in feats:
@@ -63,17 +68,20 @@ class Sampler:
         if any_feats & F_BEAM:
             out.tokens = self._defer_beams(logits, rows, feats, pool, out)
         else:
-            out.tokens = self._sample(logits, rows, feats, any_feats, pool, out)
+            out.tokens = self._sample(logits, rows, feats, any_feats, pool, out, grammar)
         return out
 
-    def _sample(self, logits, rows, feats, any_feats, pool, out: SamplerOutput) -> torch.Tensor:
+    def _sample(self, logits, rows, feats, any_feats, pool, out, grammar) -> torch.Tensor:
         logits = logits.float()
         num_rows = len(rows)
         if any_feats & F_FORK:
             logits, rows, feats = _add_fork_rows(logits, rows, feats)
         failed: dict[str, BaseException] = {}
         if any_feats & F_STRUCTURED:  # grammar masks first: every later stage sees them
-            self.grammar.apply(logits, rows, failed)
+            if grammar is None or grammar.num_rows != len(rows):  # (forked siblings' rows)
+                grammar = self.grammar.prepare(rows, logits.shape[-1])
+            failed.update(grammar.failed)
+            self.grammar.apply(logits, grammar)
         scores = process_logits(logits, rows, feats, any_feats, pool, failed)
         if pool is not None:  # forked siblings' rows are one-off: they get a row of their own
             for sibling in rows[num_rows:]:

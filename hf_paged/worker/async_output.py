@@ -28,13 +28,35 @@ class PendingOutput:
         self.host = host  # None: nothing was sampled
         # request id -> what failed its sampling (a grammar that refused its token), or None
         self.failed: dict | None = None
+        self.on_cuda = on_cuda
+        self.landed = False  # its tokens were written into their rows (ModelRunner._land)
+        self.tokens = None
         self.event = None
+        # a step whose sampling waits for its grammar bitmask (structured output): the call
+        # that queues it, run by launch() once the previous step's output is handled
+        self.deferred = None
         if host is not None and on_cuda:  # the copy (or the graph's write) is queued
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def launch(self) -> None:
+        """Queue a deferred sampling (no-op when there is none or it is queued already)."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            deferred()
+
+    def sampled(self, host: torch.Tensor, failed: dict | None) -> None:
+        """The deferred sampling is queued: its tokens are on their way into host."""
+        self.host = host
+        self.failed = failed
+        if self.on_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
 
     def wait(self) -> np.ndarray | None:
         """The tokens (int64 [len(sample_rows)]) once on the host; None if none were sampled."""
+        if self.deferred is not None:
+            raise RuntimeError("a deferred sampling must be launched before its tokens are read")
         if self.host is None:
             return None
         if self.event is not None:

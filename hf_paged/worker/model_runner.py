@@ -24,6 +24,7 @@ from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
+from hf_paged.worker.deferred_sampling import defer_sampling, forks
 from hf_paged.worker.forward_context import ForwardContext, forward_context
 from hf_paged.worker.graph_blockers import graph_blocker
 from hf_paged.worker.host_to_device import to_device
@@ -132,6 +133,8 @@ class ModelRunner:
             self.graph_capture_seconds = time.perf_counter() - t0
 
     def shutdown(self) -> None:
+        if self._pending is not None:  # nothing may wait on a sampling never queued
+            self._pending.launch()
         if self.spec is not None:
             self.spec.shutdown()
             self.spec = None
@@ -157,9 +160,14 @@ class ModelRunner:
     ) -> ModelRunnerOutput | PendingOutput:
         """Run the step. async_output: return as soon as the GPU work is queued, with a
         PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
+        deferred = self._pending if self._pending and self._pending.deferred else None
         self._update_rows(batch)
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
+        if deferred is not None:
+            # the last step's sampling (structured output) is queued just before this step's
+            # forward, after this step's host-side preparation (worker/deferred_sampling.py)
+            deferred.launch()
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
@@ -186,14 +194,20 @@ class ModelRunner:
             # Anything else (temperature, processors, logprobs, beams, forks) samples here; after
             # a decode graph this index_copy_ overwrites its greedy tokens in last_tokens.
             ib = self.input_batch
-            rows = [ib.sampling[r] for r in step.rows[sample_idx].tolist()]
+            row_ids = step.rows[sample_idx]
+            rows = [ib.sampling[r] for r in row_ids.tolist()]
+            if step.features & F_STRUCTURED and async_output and not forks(rows):
+                self._pending = defer_sampling(
+                    self, step, rows_logits, rows, rows_t, sample_idx, self._pending
+                )
+                return self._pending
             if step.features & F_STRUCTURED and self._pending is not None:
                 self._land(self._pending)  # grammar matchers need the previous step's tokens
             sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
             tokens_t = sampled.tokens
             if self.config.async_scheduling:  # the next step may read them before the host does
                 if rows_t is None:  # (a decode graph's inputs hold them on the device already)
-                    rows_t = to_device(step.rows[sample_idx], self.device)
+                    rows_t = to_device(row_ids, self.device)
                 self.last_tokens.index_copy_(0, rows_t, tokens_t)
         if async_output:
             host = landed
@@ -232,6 +246,7 @@ class ModelRunner:
     def finish_async(self, pending: PendingOutput) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; each request still holding the row it sampled in
         (not released or reused meanwhile) gets its token as its row's next input."""
+        pending.launch()
         if pending is self._pending:
             self._pending = None
         tokens = self._land(pending)
@@ -246,8 +261,11 @@ class ModelRunner:
         the requests that sampled them. Also called early, before the next step samples, when
         that step has grammar-constrained rows: their matchers must see the previous token
         (structured output under asynchronous scheduling; the forward is already queued, so the
-        GPU keeps working while the host waits). Writing twice is harmless (add_tokens)."""
+        GPU keeps working while the host waits). Once per step: later calls return its tokens."""
+        if pending.landed:  # its tokens are in the rows already
+            return pending.tokens
         tokens = pending.wait()
+        pending.landed, pending.tokens = True, tokens
         if tokens is None:
             return None
         live = self.input_batch.epoch[pending.rows] == pending.epochs
