@@ -1,10 +1,15 @@
 """Token selection for one step's batch of logits rows.
 
-Raw logits -> hf_paged.sample.logits_processing (transformers' processors and warpers, per-row
-parameters) -> argmax for greedy rows, a categorical draw for sampling rows. A draw is
-argmax(probs / E) with E ~ Exponential(1) per vocabulary entry (an exact categorical sample);
-seeded requests draw E from their own generator, so their tokens do not depend on which other
-requests share the batch.
+Raw logits -> hf_paged.sample.logits_processing (penalties, bans, user processors, per-row
+parameters) -> argmax for greedy rows, a categorical draw for sampling rows.
+
+Sampling rows take kernels/sampling.py: temperature, top-k, top-p and min-p cut by a threshold
+search over the row (no sort of the vocabulary), then one draw by inverse CDF with one uniform
+per row; a seeded request draws its uniform from its own generator, so its tokens do not depend
+on which other requests share the batch, and unseeded rows draw from torch's global generator.
+On CPU the same rule runs in torch (sample_rows_ref). Rows with typical-p or output_scores
+(which return transformers' processed scores row) take the full warpers of logits_processing
+and a draw argmax(probs / E), E ~ Exponential(1) per entry.
 
 The sampler keeps nothing between calls: it reads the step's SamplingRows (sample/metadata.py,
 owned by the runner's input batch) and returns a SamplerOutput: the tokens, and what requests
@@ -18,11 +23,12 @@ same argmax inside itself (the runner checks for no feature bits, this hot path'
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hf_paged.sample.logits_processing import TokenCountPool, process_logits
 from hf_paged.sample.metadata import SamplerOutput, SamplingRow
-from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_WARP
+from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_RENORM, F_WARP
 from hf_paged.worker.host_to_device import device_tensor
 
 
@@ -64,20 +70,36 @@ class Sampler:
         return out
 
     def _sample(self, logits, rows, feats, any_feats, pool, out: SamplerOutput) -> torch.Tensor:
-        logits = logits.float()
+        if any_feats & ~(F_WARP | F_FORK) or any(not _kernel_ok(r) for r in rows if r.features):
+            logits = logits.float()  # the processors work in float32; the kernel reads any
         num_rows = len(rows)
         if any_feats & F_FORK:
             logits, rows, feats = _add_fork_rows(logits, rows, feats)
         failed: dict[str, BaseException] = {}
-        scores = process_logits(logits, rows, feats, any_feats, pool, failed)
+        # rows the kernel samples leave their warpers (and the renormalisation, which only
+        # shows in recorded scores, which these rows do not keep) to it
+        fast = [i for i, (r, f) in enumerate(zip(rows, feats)) if f & F_WARP and _kernel_ok(r)]
+        proc_feats = list(feats)
+        for i in fast:
+            proc_feats[i] &= ~(F_WARP | F_RENORM)
+        proc_any = 0
+        for f in proc_feats:
+            proc_any |= f
+        scores = process_logits(logits, rows, proc_feats, proc_any, pool, failed)
         if pool is not None:  # forked siblings' rows are one-off: they get a row of their own
             for sibling in rows[num_rows:]:
                 pool.release(sibling.req_id)
         out.failed = failed or None
-        tokens = argmax(scores)
-        if any_feats & F_WARP:
-            warped = [i for i, f in enumerate(feats) if f & F_WARP]
-            tokens = _draw(scores, rows, warped, tokens)
+        if len(fast) == len(rows):  # every row samples in the kernel: no argmax needed
+            tokens = draw_fast(scores, rows, fast, None)
+        else:
+            tokens = argmax(scores)
+            if any_feats & F_WARP:
+                warped = [i for i, f in enumerate(proc_feats) if f & F_WARP]
+                if warped:
+                    tokens = _draw(scores, rows, warped, tokens)
+                if fast:
+                    tokens = draw_fast(scores, rows, fast, tokens)
         if any_feats & F_RECORD:
             record(logits, scores, tokens, rows, feats, out)
         if len(rows) > num_rows:  # first tokens of forked siblings
@@ -116,6 +138,47 @@ def _add_fork_rows(logits, rows, feats):
             extra.append(sibling)
     logits = torch.cat([logits, logits[torch.tensor(src, device=logits.device)]])
     return logits, list(rows) + extra, feats + [r.features for r in extra]
+
+
+def _kernel_ok(row: SamplingRow) -> bool:
+    """A sampling row the kernel can take: typical-p needs its sort, and output_scores rows
+    return the processed scores row, which only the full warpers build."""
+    p = row.params
+    return p.typical_p == 1.0 and not p.output_scores
+
+
+def draw_fast(
+    scores: torch.Tensor, rows: list[SamplingRow], sel: list[int], tokens: torch.Tensor | None
+) -> torch.Tensor:
+    """Sample rows `sel` of scores (raw or processed logits, warpers not applied) with
+    kernels/sampling.py; into tokens (None: sel is every row, in order)."""
+    dev = scores.device
+    ps = [rows[i].params for i in sel]
+    # one host-to-device copy for the four parameter rows (top_k exact in float32)
+    params = device_tensor(
+        np.array(
+            [
+                [p.temperature for p in ps],
+                [p.top_k for p in ps],
+                [p.top_p for p in ps],
+                [p.min_p for p in ps],
+            ],
+            dtype=np.float32,
+        ),
+        dev,
+    )
+    u = torch.rand(len(sel), device=dev)  # unseeded rows: the global generator
+    seeded = [(k, rows[i].generator) for k, i in enumerate(sel) if rows[i].generator is not None]
+    if seeded:
+        own = [torch.rand(1, generator=g, device=g.device).to(dev) for _, g in seeded]
+        u.index_copy_(0, device_tensor([k for k, _ in seeded], dev), torch.cat(own))
+    all_rows = tokens is None
+    sub = scores if all_rows else scores.index_select(0, device_tensor(sel, dev))
+    from hf_paged.kernels.sampling import sample_rows, sample_rows_ref  # see argmax()
+
+    fn = sample_rows if dev.type == "cuda" else sample_rows_ref
+    sampled = fn(sub, params[0], params[1].to(torch.int32), params[2], params[3], u)
+    return sampled if all_rows else tokens.index_copy(0, device_tensor(sel, dev), sampled)
 
 
 def _draw(scores: torch.Tensor, rows: list[SamplingRow], sel: list[int], tokens: torch.Tensor):
@@ -159,13 +222,16 @@ def record(
     chosen = [k for k, r in enumerate(kept_rows) if r.params.logprobs is not None]
     if chosen:
         at = idx[chosen]
-        logp = logits.index_select(0, at).log_softmax(dim=-1)
+        # log_softmax(x)[t] = x[t] - logsumexp(x): the [R, V] log-probabilities are never built,
+        # only the sampled token's and the top-n (top-n of x are top-n of log_softmax(x))
+        raw = logits.index_select(0, at).float()
+        lse = raw.logsumexp(dim=-1, keepdim=True)
         chosen_tokens = tokens.index_select(0, at)
         top_n = max(kept_rows[k].params.logprobs for k in chosen)
-        top = logp.topk(min(top_n, logp.shape[-1]), dim=-1) if top_n else None
-        own = logp.gather(-1, chosen_tokens[:, None])[:, 0].tolist()
+        top = raw.topk(min(top_n, raw.shape[-1]), dim=-1) if top_n else None
+        own = (raw.gather(-1, chosen_tokens[:, None]) - lse)[:, 0].tolist()
         chosen_tokens = chosen_tokens.tolist()
-        top_vals = top.values.tolist() if top is not None else None
+        top_vals = (top.values - lse).tolist() if top is not None else None
         top_ids = top.indices.tolist() if top is not None else None
         logprobs = {}
         for j, k in enumerate(chosen):
