@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench, spec."""
+coverage, serve-bench, spec, sampling."""
 
 from __future__ import annotations
 
@@ -159,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     plots.add_argument("files", nargs="+")
     plots.add_argument("--out", default=str(RESULTS_DIR))
 
+    from .sampling_bench import add_parser as add_sampling_bench
     from .serve_bench import add_parser as add_serve_bench
     from .spec_bench import add_parser as add_spec_bench
 
     add_serve_bench(sub, _common)
     add_spec_bench(sub, _common)
+    add_sampling_bench(sub, _common)
 
     cov = sub.add_parser(
         "coverage",
@@ -457,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
             from .spec_bench import cmd_spec
 
             return cmd_spec(args, _save)
+        if args.command == "sampling":
+            from .sampling_bench import cmd_sampling
+
+            return cmd_sampling(args, _save)
         from . import plots
 
         for path in args.files:
