@@ -36,10 +36,25 @@ import triton.language as tl
 _BLOCK = 4096  # entries a cheap pass loads at once
 _SUB = 256  # entries the pivot work takes at once (an [SUB, NP] tile)
 _NP = 8  # pivots a search pass
-_MAX_PASSES = 40  # a bound the key range reaches in 12 passes (2^32 / 7^12 < 1)
+_VALUE_PASSES = 4  # passes with pivots spread over the values, then over the keys
+_MAX_PASSES = 40  # never reached: after the value passes the keys need at most 12 more
 
 _INT_MIN = -2147483648
 _INT_MAX = 2147483647
+
+
+@triton.jit
+def _float_key(z):
+    bits = z.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 of an order-preserving key (the inverse of _float_key)."""
+    k = key.to(tl.int32)
+    bits = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -49,9 +64,7 @@ def _row_keys(row_ptr, offs, V, T):
     x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     z = x / T
     z = tl.where(z == 0.0, 0.0, z)  # -0.0 and +0.0 are one value
-    bits = z.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = tl.where(offs < V, key, -2147483648)
+    key = tl.where(offs < V, _float_key(z), -2147483648)
     return z, key
 
 
@@ -73,6 +86,7 @@ def _search(
     SUB: tl.constexpr,
     NP: tl.constexpr,
     MAX_PASSES: tl.constexpr,
+    VALUE_PASSES: tl.constexpr,
 ):
     """t = max{row key v : stat(key >= v) >= c}, given lo <= t < hi with stat(>= lo) =
     (lo_c, lo_m) >= c, and a, b the smallest and largest keys in [lo, hi). Returns t and the
@@ -81,6 +95,16 @@ def _search(
     passes = 0
     while (a < b) & (passes < MAX_PASSES):
         q = a + ((b - a) * jj) // (NP - 1)  # int64 [NP]: q[0] = a, q[NP-1] = b
+        a_val = _key_value(a)
+        b_val = _key_value(b)
+        if (passes < VALUE_PASSES) & (b_val - a_val < float("inf")):
+            # the first passes split the values evenly rather than the keys (keys spend most
+            # pivots on tiny magnitudes; -inf or a range past float32: keys). Any pivots in
+            # [a, b] with q[0] = a and q[NP-1] = b keep the search exact
+            qv = a_val + (b_val - a_val) * (jj.to(tl.float32) / (NP - 1))
+            qk = _float_key(qv).to(tl.int64)
+            qk = tl.minimum(tl.maximum(qk, a), b)
+            q = tl.where(jj == 0, a, tl.where(jj == NP - 1, b, qk))
         acc_c = tl.zeros([NP], dtype=tl.float32)
         acc_m = tl.zeros([NP], dtype=tl.float32)
         mn = tl.full([NP], 2147483647, dtype=tl.int64)  # smallest key >= q[j] in play
@@ -141,6 +165,7 @@ def _sample_rows_kernel(
     SUB: tl.constexpr,
     NP: tl.constexpr,
     MAX_PASSES: tl.constexpr,
+    VALUE_PASSES: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = x_ptr + row.to(tl.int64) * stride
@@ -171,12 +196,12 @@ def _sample_rows_kernel(
     if (k > 0) & (k < V):
         t, t_c, t_m = _search(
             row_ptr, V, T, m, kmin, kmin, kmax, kmax + 1, t_c, t_m, k * 1.0,
-            False, BLOCK, SUB, NP, MAX_PASSES,
+            False, BLOCK, SUB, NP, MAX_PASSES, VALUE_PASSES,
         )  # fmt: skip
     if p < 1.0:
         t, t_c, t_m = _search(
             row_ptr, V, T, m, t, t, kmax, kmax + 1, t_c, t_m, p * t_m,
-            True, BLOCK, SUB, NP, MAX_PASSES,
+            True, BLOCK, SUB, NP, MAX_PASSES, VALUE_PASSES,
         )  # fmt: skip
     kept_mass = t_m
     if min_p > 0.0:
@@ -260,6 +285,7 @@ def sample_rows(
         SUB=sub,
         NP=_NP,
         MAX_PASSES=_MAX_PASSES,
+        VALUE_PASSES=_VALUE_PASSES,
         num_warps=8,
     )
     return out
