@@ -123,3 +123,28 @@ def test_faster_than_the_sort_path():
         return start.elapsed_time(end) / 10
 
     assert ms(ours) < ms(sort_path)
+
+
+def test_penalties_kernel_equals_torch_at_real_vocab():
+    from hf_paged.kernels.penalties import apply_penalties
+
+    from hf_paged.sample.logits_processing import TokenCountPool, _apply_penalties
+
+    vocab, n = 151936, 128
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1)
+    reqs = [
+        SamplingRow(
+            f"r{i}", params, None, torch.randint(0, vocab, (300,), generator=g).tolist(), 200
+        )
+        for i in range(n)
+    ]
+    x = torch.randn(n, vocab, generator=g) * 3
+    pool = TokenCountPool(torch.device("cpu"))
+    want = _apply_penalties(x, reqs, list(range(n)), pool)  # torch, on the host
+    slots = torch.tensor([r.penalty_slot for r in reqs], device=DEV)
+    got = apply_penalties(
+        x.to(DEV), torch.arange(n, device=DEV), slots, pool.output_counts.to(DEV),
+        pool.prompt_mask.to(DEV), *(torch.full((n,), v, device=DEV) for v in (1.1, 0.2, 0.1)),
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)

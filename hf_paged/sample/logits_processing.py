@@ -198,6 +198,22 @@ def _apply_penalties(
     dev = scores.device
     reqs = [requests[i] for i in rows]
     slots = pool.sync(reqs, scores.shape[-1])
+    if dev.type == "cuda":  # one pass over the rows (kernels/penalties.py), same arithmetic
+        from hf_paged.kernels.penalties import apply_penalties  # see sampler.argmax
+
+        ps = [r.params for r in reqs]
+        values = device_tensor(
+            [
+                [p.repetition_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+                [p.frequency_penalty for p in ps],
+            ],
+            dev,
+        )
+        idx = device_tensor(rows, dev)
+        return apply_penalties(
+            scores, idx, slots, pool.output_counts, pool.prompt_mask, *values.unbind(0)
+        )
     counts = pool.output_counts.index_select(0, slots)
     idx = torch.tensor(rows, device=dev)
     sub = scores.index_select(0, idx)
