@@ -162,10 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .sampling_bench import add_parser as add_sampling_bench
     from .serve_bench import add_parser as add_serve_bench
     from .spec_bench import add_parser as add_spec_bench
+    from .structured_bench import add_parser as add_structured_bench
+    from .structured_eval import add_parser as add_structured
 
     add_serve_bench(sub, _common)
     add_spec_bench(sub, _common)
     add_sampling_bench(sub, _common)
+    add_structured(sub, _common)
+    add_structured_bench(sub, _common)
 
     cov = sub.add_parser(
         "coverage",
@@ -463,6 +467,14 @@ def main(argv: list[str] | None = None) -> int:
             from .sampling_bench import cmd_sampling
 
             return cmd_sampling(args, _save)
+        if args.command == "structured":
+            from .structured_eval import cmd_structured
+
+            return cmd_structured(args, _save)
+        if args.command == "structured-bench":
+            from .structured_bench import cmd_structured_bench
+
+            return cmd_structured_bench(args, _save)
         from . import plots
 
         for path in args.files:

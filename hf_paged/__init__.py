@@ -13,12 +13,14 @@ from hf_paged.generation.patching import get_engine, patch, unpatch
 from hf_paged.generation.pipelines import pipeline
 from hf_paged.integrations.pipeline import install as _install_pipeline_backend
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.structured_output import StructuredOutputs
 
 __all__ = [
     "Engine",
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
     "get_engine",
     "patch",
     "pipeline",

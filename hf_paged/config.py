@@ -177,10 +177,17 @@ class EngineConfig:
     def resolve_for(self, model) -> None:
         """Fill the options left to the model and device (max_model_len from the model config;
         the token budget and compile from the device) and refuse what the model cannot do."""
-        model_max = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        text = model.config.get_text_config()
+        # MPT names it max_seq_len (the length its ALiBi table is built for)
+        model_max = getattr(text, "max_position_embeddings", None) or getattr(
+            text, "max_seq_len", None
+        )
         if self.max_model_len is None:
             if model_max is None:
-                raise ValueError("max_model_len: the model config has no max_position_embeddings")
+                raise ValueError(
+                    "max_model_len: the model config has no max_position_embeddings (ALiBi "
+                    "models such as Bloom have no length limit): pass max_model_len="
+                )
             self.max_model_len = model_max
         elif model_max is not None and self.max_model_len > model_max:
             # positions past the trained range give wrong output, silently (as vLLM, refused)

@@ -18,6 +18,8 @@ F_RECORD = 1 << 7  # output_scores / output_logits / logprobs
 F_FORK = 1 << 8  # n > 1: siblings sample their first token from the parent's logits row
 # a beam: its logits row goes to hf_paged.generation.beam_search, not to the sampler
 F_BEAM = 1 << 9
+# a grammar constraint (hf_paged.structured_output): the sampler masks the row's logits
+F_STRUCTURED = 1 << 10
 
 
 def _ints(name: str, ids, allow_empty: bool = True) -> list[int]:
@@ -79,6 +81,10 @@ class SamplingParams:
     # ngram_size tokens in its own prompt and output are proposed and verified in one forward
     prompt_lookup_num_tokens: int = 0
     max_matching_ngram_size: int = 2
+    # structured output (hf_paged.structured_output.StructuredOutputs): a JSON schema, any JSON,
+    # a regex, an EBNF grammar or a choice list the output must match; needs the engine's
+    # tokenizer and the `structured` extra (xgrammar)
+    structured: object = None
     # internal: set by hf_paged.generation.beam_search for its beam requests
     beam_search: bool = False
     features: int = field(default=0, init=False, repr=False, compare=False)
@@ -152,7 +158,29 @@ class SamplingParams:
                 if not all(callable(x) for x in items):
                     raise ValueError(f"{name} must be a list of callables, got {items!r}")
                 setattr(self, name, list(items) or None)
+        if self.structured is not None:
+            self._check_structured()
         self.features = self._compute_features()
+
+    def _check_structured(self) -> None:
+        from hf_paged.structured_output.constraint import StructuredOutputs
+
+        if not isinstance(self.structured, StructuredOutputs):
+            raise ValueError(
+                "structured must be a hf_paged.StructuredOutputs or None, got "
+                f"{type(self.structured).__name__}"
+            )
+        if self.beam_search:
+            raise ValueError("structured: not supported with beam search (num_beams > 1)")
+        if self.prompt_lookup_num_tokens:
+            raise ValueError(
+                "structured: not supported with prompt_lookup_num_tokens (speculation is off "
+                "for constrained requests)"
+            )
+        if self.ignore_eos:
+            raise ValueError(
+                "structured: needs an end-of-sequence token to end on (ignore_eos=True leaves none)"
+            )
 
     def _compute_features(self) -> int:
         f = 0
@@ -178,6 +206,8 @@ class SamplingParams:
             f |= F_FORK
         if self.beam_search:
             f |= F_BEAM
+        if self.structured is not None:
+            f |= F_STRUCTURED
         return f
 
     @property

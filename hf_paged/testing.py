@@ -10,7 +10,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(vocab_size: int = 256):
+def tiny_tokenizer(vocab_size: int = 256, extra_chars: str = ""):
     """A BPE tokenizer over exactly `vocab_size` ids, built in memory: <pad>=0, </s>=1, <s>=2,
     then characters and letter-pair merges, with a Metaspace pre-tokenizer and decoder (so any
     lowercase text round-trips) and a chat template. Matches the tests' tiny models' vocabulary."""
@@ -19,6 +19,7 @@ def tiny_tokenizer(vocab_size: int = 256):
 
     specials = ["<pad>", "</s>", "<s>"]
     chars = ["▁", *string.ascii_lowercase, *string.ascii_uppercase, *string.digits, *".,!?':"]
+    chars += [c for c in extra_chars if c not in chars]  # e.g. JSON's brackets and quotes
     vocab = {t: i for i, t in enumerate(specials + chars)}
     merges = []
     pairs = [("▁", c) for c in string.ascii_lowercase]

@@ -5,6 +5,17 @@ from __future__ import annotations
 import weakref
 
 import torch
+from hf_paged.integrations.attention_adapters import (
+    attention_modules,
+    install_attention_adapters,
+    remove_attention_adapters,
+)
+from hf_paged.integrations.attention_forwards import (
+    forward_modules,
+    install_attention_forwards,
+    remove_attention_forwards,
+)
+from hf_paged.integrations.step_positions import install_step_positions, remove_step_positions
 
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION, register
 
@@ -21,11 +32,26 @@ def check_supported(model: torch.nn.Module) -> None:
         raise ValueError(
             f"model: {name} is an encoder-decoder; hf_paged serves decoder-only models"
         )
-    if not getattr(model, "_supports_attention_backend", False):
+    if not routes_attention(model) and not (attention_modules(model) or forward_modules(model)):
         raise ValueError(
             f"model: {name} does not route attention through transformers' AttentionInterface "
-            "(its _supports_attention_backend is False), so paged attention cannot be plugged in"
+            "(its modelling code calls no ALL_ATTENTION_FUNCTIONS) and hf_paged has no adapter "
+            "for its attention modules (integrations/attention_adapters.py, attention_forwards.py"
+            "), so paged attention cannot be plugged in"
         )
+
+
+def routes_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention layers call transformers' attention interface. The class
+    flag _supports_attention_backend says more (that transformers' own continuous batching
+    serves the model) and is False for families that do route attention (StableLM, Bart's
+    decoders, BioGPT): what their code calls decides, read as transformers decides whether
+    set_attn_implementation may switch them. Whether the result is exact is the start-up
+    check's to say (hf_paged/engine/verify.py)."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    return bool(can_set()) if can_set is not None else False
 
 
 class ModelLease:
@@ -43,6 +69,9 @@ class ModelLease:
         # taken by the first owner under `previous`: later owners must not switch the
         # attention implementation while another Engine may be stepping
         self.references: dict = {}
+        # the attention modules' cores were swapped (attention_adapters.py): the model's
+        # attention implementation stays what it was
+        self.adapted = False
 
 
 def enable_paged_attention(model: torch.nn.Module, owner: object) -> ModelLease:
@@ -52,15 +81,22 @@ def enable_paged_attention(model: torch.nn.Module, owner: object) -> ModelLease:
     lease = model.__dict__.get(_LEASE)
     if lease is None or not lease.owners:
         current = model.config._attn_implementation
-        if current != ATTN_IMPLEMENTATION:
+        if not routes_attention(model):
+            lease = lease or ModelLease(current)
+            model.__dict__[_LEASE] = lease
+            lease.adapted = (
+                install_attention_adapters(model) + install_attention_forwards(model) > 0
+            )
+        elif current != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        if not lease_adapted(model) and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
                 f"model: {type(model).__name__} refused attn_implementation='hf_paged'"
             )
         if lease is None:
             lease = ModelLease(current)
             model.__dict__[_LEASE] = lease
+        install_step_positions(model)
     lease.owners.add(owner)
     return lease
 
@@ -75,10 +111,19 @@ def disable_paged_attention(model: torch.nn.Module, owner: object) -> bool:
     if lease.owners:
         return False
     del model.__dict__[_LEASE]
-    if lease.previous != ATTN_IMPLEMENTATION:
+    remove_step_positions(model)
+    if lease.adapted:
+        remove_attention_adapters(model)
+        remove_attention_forwards(model)
+    elif lease.previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(lease.previous)
     return True
 
 
+def lease_adapted(model: torch.nn.Module) -> bool:
+    lease = model.__dict__.get(_LEASE)
+    return lease is not None and lease.adapted
+
+
 def paged_attention_active(model: torch.nn.Module) -> bool:
-    return model.config._attn_implementation == ATTN_IMPLEMENTATION
+    return lease_adapted(model) or model.config._attn_implementation == ATTN_IMPLEMENTATION

@@ -4,8 +4,8 @@ paged_attention_kernel.py's general kernel and decode_attention.py's early-read 
 both attend a tile of keys with these helpers, so the two compute the same scores, the same
 exp2 online-softmax update and the same P.V in the same order (the decode tests compare them at
 a quarter of the tolerance they allow against the reference):
-- _softmax_step: the scores of one K tile, softcapped (_tanh) and masked, and the update of the
-  running max, denominator and rescaled accumulator;
+- _softmax_step: the scores of one K tile, softcapped (_tanh), biased (ALiBi) and masked, and
+  the update of the running max, denominator and rescaled accumulator;
 - _accumulate_pv: P.V into the accumulator, with P in the cache dtype the tensor cores take;
 - _init_softmax_state: the empty running state, or with attention sinks the state after one
   virtual key whose logit is the head's sink and whose value is zeros.
@@ -41,6 +41,8 @@ def _softmax_step(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    bias=0.0,  # f32 [BLOCK_M, BLOCK_N], log2 units, added to the scaled scores (BIAS only)
+    BIAS: tl.constexpr = False,
 ):
     """Scores of one K tile and the online-softmax update: (P, acc rescaled, l, m)."""
     if DOT_UPCAST:
@@ -51,6 +53,8 @@ def _softmax_step(
         s = s * 1.4426950408889634
     else:
         s = s * (scale * 1.4426950408889634)
+    if BIAS:  # ALiBi: slope * (key position - query position), after the scale and any cap
+        s = s + bias
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

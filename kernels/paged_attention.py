@@ -57,6 +57,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]: a per-head logit in the softmax denominator
+    alibi_slopes: torch.Tensor | None = None,  # [Hq]: ALiBi, slope * (key pos - query pos)
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Pure-torch reference (and the CPU backend). One sequence at a time, softmax in float32.
 
@@ -67,6 +68,8 @@ def paged_attention_ref(
     Attention sinks (gpt-oss's s_aux) join the softmax as one more logit per query head, with a
     value of zeros: weights exp(s_j) / (sum_k exp(s_k) + exp(sink)), as transformers' eager
     attention computes them by concatenating the sink column and dropping it after the softmax.
+    ALiBi (Bloom, MPT, Falcon's ALiBi variant) adds slope_h * (key pos - query pos) to head h's
+    scaled (and capped) scores; the models add slope_h * key pos, the same softmax.
     Tokens that no sequence owns (past query_start_loc[-1]) get zeros. Values may be narrower
     or wider than keys (Dv != Dk: MLA models unabsorbed); the output has the values' width.
     """
@@ -95,6 +98,9 @@ def paged_attention_ref(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.float().reshape(num_kv_heads, group, 1, 1)
+            scores = scores + slopes * (k_pos - q_pos).float()
         allowed = k_pos <= q_pos
         if sliding_window is not None and sliding_window > 0:
             allowed &= k_pos > q_pos - sliding_window
@@ -109,21 +115,24 @@ def paged_attention_ref(
     return out
 
 
-def sinks_for_kernel(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
-    """Attention sinks checked against the query's heads, as the kernels read them: float32,
-    contiguous (a no-op for gpt-oss-style float32 parameters)."""
+def sinks_for_kernel(
+    sinks: torch.Tensor | None, query: torch.Tensor, name: str = "sinks"
+) -> torch.Tensor | None:
+    """Per-query-head values (attention sinks, ALiBi slopes: `name`) checked against the
+    query's heads, as the kernels read them: float32, contiguous (a no-op for gpt-oss-style
+    float32 parameters)."""
     if sinks is None:
         return None
     num_q_heads = query.shape[1]
     if sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
         raise ValueError(
-            f"sinks must be [num_q_heads={num_q_heads}], one logit per query head, got "
+            f"{name} must be [num_q_heads={num_q_heads}], one value per query head, got "
             f"{tuple(sinks.shape)}"
         )
     if not sinks.is_floating_point():
-        raise ValueError(f"sinks must be a float tensor, got {sinks.dtype}")
+        raise ValueError(f"{name} must be a float tensor, got {sinks.dtype}")
     if sinks.device != query.device:
-        raise ValueError(f"sinks is on {sinks.device}, query on {query.device}")
+        raise ValueError(f"{name} is on {sinks.device}, query on {query.device}")
     return sinks.to(torch.float32).contiguous()
 
 
@@ -214,6 +223,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, Dv], written in full
     *,
     sinks: torch.Tensor | None = None,  # [Hq], any float dtype: attention sinks (s_aux)
+    alibi_slopes: torch.Tensor | None = None,  # [Hq], any float dtype: ALiBi slopes
     num_kv_splits: int | None = None,
     config: AttentionConfig | None = None,
     pdl: bool = False,
@@ -233,6 +243,7 @@ def paged_attention(
     """
     _check_attention_args(query, key_cache, value_cache, meta, out)
     sinks = sinks_for_kernel(sinks, query)
+    alibi = sinks_for_kernel(alibi_slopes, query, "alibi_slopes")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, head_dim_v = key_cache.shape[2], value_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -256,6 +267,7 @@ def paged_attention(
             sliding_window,
             softcap,
             sinks,
+            alibi,
             out,
             config,
             num_kv_splits or 1,
@@ -280,6 +292,7 @@ def paged_attention(
             sliding_window,
             softcap,
             sinks,
+            alibi,
             out,
             dec,
             splits,
@@ -302,6 +315,7 @@ def paged_attention(
         sliding_window,
         softcap,
         sinks,
+        alibi,
         out,
         pre,
         1,
@@ -321,6 +335,7 @@ def paged_attention(
             sliding_window,
             softcap,
             sinks,
+            alibi,
             out,
             dec,
             1,
@@ -341,6 +356,7 @@ def _launch(
     sliding_window,
     softcap,
     sinks,
+    alibi,
     out,
     cfg: AttentionConfig,
     num_splits: int,
@@ -389,6 +405,8 @@ def _launch(
         ONE_TILE_PER_SEQ=cfg.one_tile_per_seq,
         Q_FILTER=q_filter,
         SHORT_Q=short_q,
+        alibi_ptr=alibi,  # None when off: never read
+        ALIBI=alibi is not None,
         **kwargs,
     )
     if split:

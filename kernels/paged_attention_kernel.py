@@ -70,6 +70,8 @@ def _attend_kv_tile(
     HEAD_DIM_V_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    slopes=0.0,  # f32 [BLOCK_M] ALiBi slopes in log2 units (ALIBI only)
+    ALIBI: tl.constexpr = False,
 ):
     k_idx = start_n + offs_n  # [BLOCK_N] key positions
     # Interior tiles lie wholly inside [0, seq_len): no bounds mask, so the loads vectorise fully.
@@ -92,9 +94,14 @@ def _attend_kv_tile(
             keep = keep & (k_idx[None, :] > q_pos[:, None] - sliding_window)
     else:
         keep = k_valid  # not read: unmasked tiles skip the mask
+    if ALIBI:
+        bias = slopes[:, None] * (k_idx[None, :] - q_pos[:, None]).to(tl.float32)
+    else:
+        bias = 0.0
     p, acc, l_i, m_new = _softmax_step(
-        acc, l_i, m_i, q, k, keep, scale, softcap, MASKED, SOFTCAP, DOT_PRECISION, DOT_UPCAST
-    )
+        acc, l_i, m_i, q, k, keep, scale, softcap, MASKED, SOFTCAP, DOT_PRECISION, DOT_UPCAST,
+        bias, ALIBI,
+    )  # fmt: skip
     v = _load_kv_rows(v_ptrs, k_valid, offs_dv, MASKED, HEAD_DIM_V, HEAD_DIM_V_PAD)
     return _accumulate_pv(acc, p, v, DOT_PRECISION, DOT_UPCAST), l_i, m_new
 
@@ -183,6 +190,8 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (see kernels/fused_gemv.py)
+    alibi_ptr=None,  # f32 [Hq] ALiBi slopes (ALIBI only)
+    ALIBI: tl.constexpr = False,
 ):
     if PDL:
         gdc_launch_dependents()  # the next kernel may be scheduled (and prefetch its weights)
@@ -282,6 +291,10 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _init_softmax_state(
         sinks_ptr, head, split_id, BLOCK_M, HEAD_DIM_V_PAD, SINKS, SPLIT
     )
+    if ALIBI:
+        slopes = tl.load(alibi_ptr + head) * 1.4426950408889634  # [BLOCK_M], log2 units
+    else:
+        slopes = 0.0
     if SLIDING:
         for t in range(t_lo, t_full_lo):  # window's lower edge
             acc, l_i, m_i = _attend_kv_tile(
@@ -315,6 +328,8 @@ def _paged_attention_kernel(
                 HEAD_DIM_V_PAD,
                 DOT_PRECISION,
                 DOT_UPCAST,
+                slopes,
+                ALIBI,
             )
     for t in range(t_full_lo, t_full_hi):  # interior
         acc, l_i, m_i = _attend_kv_tile(
@@ -348,6 +363,8 @@ def _paged_attention_kernel(
             HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
+            slopes,
+            ALIBI,
         )
     for t in range(t_full_hi, t_hi):  # causal diagonal (and the partial last tile)
         acc, l_i, m_i = _attend_kv_tile(
@@ -381,6 +398,8 @@ def _paged_attention_kernel(
             HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
+            slopes,
+            ALIBI,
         )
 
     # Rows with l == 0 are padding rows (never stored) or empty splits (weight 0 in the reduce).

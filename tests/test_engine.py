@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 import hf_paged
 from hf_paged import Engine, SamplingParams
@@ -209,11 +210,15 @@ def test_bad_engine_options(tiny_model):
     assert not any("hf_paged" in name for name, _ in model.named_buffers())
 
 
-def test_patch_refuses_models_without_the_attention_interface(tiny_model):
-    model = tiny_model("llama")
-    model._supports_attention_backend = False
-    with pytest.raises(ValueError, match="AttentionInterface"):
+def test_patch_refuses_models_without_the_attention_interface():
+    # XLM's attention calls no interface and hf_paged has no adapter for it (docs/models.md)
+    config = transformers.XLMConfig(
+        vocab_size=64, emb_dim=32, n_layers=1, n_heads=2, causal=True, is_decoder=True
+    )
+    model = transformers.XLMWithLMHeadModel(config).eval()
+    with pytest.raises(ValueError, match="AttentionInterface.*no adapter"):
         hf_paged.patch(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left swapped
 
 
 def test_generate_refuses_options_it_cannot_honour(tiny_model, batch_factory):

@@ -33,6 +33,7 @@ class NewRequestData:
     # n > 1: the siblings that sample their first token from this request's first logits row
     siblings: list[NewRequestData] | None = None
     max_total_tokens: int = 0  # prompt + max new tokens: speculation proposes no further
+    grammar: object = None  # structured output: the request's xgrammar CompiledGrammar
 
 
 @dataclass(slots=True)

@@ -70,6 +70,9 @@ class Request:
     banned_token_ids: list[int] = field(default_factory=list)  # suppress_tokens + 1-token bad words
     bad_word_prefixes: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
     in_runner: bool = False  # the runner holds a row for it (the scheduler's bookkeeping)
+    # structured output: its grammar (hf_paged.structured_output GrammarHandle), compiled in the
+    # background; the scheduler starts the request only once the grammar is ready
+    grammar: object = None
     # -- the engine's output side (engine/output_processor.py): stop checks and what the
     # request asked to keep, filled from the runner's outputs --
     stop_checkers: list | None = None  # stop-string and user stopping criteria, built at add

@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 
 from hf_paged.config import EngineConfig
 from hf_paged.core.kv_cache_manager import KVCacheManager
@@ -105,6 +107,9 @@ class Scheduler:
         self.requests = RequestTable()
         self.num_preemptions = 0
         self.released_req_ids: list[str] = []  # see take_released_req_ids
+        # structured output: requests added before their grammar compiled (they wait, skipped
+        # by the waiting loop, until it is ready; end_failed_grammars ends those that fail)
+        self.compiling: list[Request] = []
         # speculative decoding with a draft model: slots each step reserves past its tokens
         self.num_lookahead_tokens = (
             config.num_speculative_tokens if config.draft_model is not None else 0
@@ -122,6 +127,29 @@ class Scheduler:
                 self.requests[sibling.request_id] = sibling
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.grammar is not None and not request.grammar.ready:
+            self.compiling.append(request)
+
+    def end_failed_grammars(self) -> list[Request]:
+        """Requests whose grammar failed to compile end alone (FINISHED_ERROR, the ValueError
+        naming the field on request.error); returns them (with siblings)."""
+        if not self.compiling:
+            return []
+        done = [r for r in self.compiling if r.status.finished or r.grammar.future.done()]
+        if not done:
+            return []
+        self.compiling = [r for r in self.compiling if r not in done]
+        failed = [r for r in done if not r.status.finished and r.grammar.failed]
+        for r in failed:
+            r.error = r.grammar.error
+        return self.end_requests(failed, RequestStatus.FINISHED_ERROR) if failed else []
+
+    def wait_for_grammars(self, timeout: float = 0.05) -> None:
+        """Nothing could be scheduled: block until a grammar compiles (or the timeout), so the
+        engine's loop does not spin while only compiling requests wait."""
+        pending = [r.grammar.future for r in self.compiling if not r.status.finished]
+        if pending:
+            wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def abort_request(self, request_id: str) -> list[Request]:
         """End a live request (running, waiting, or a sibling not forked yet) as aborted.
@@ -219,12 +247,16 @@ class Scheduler:
             # Seats promised to siblings of running parents that have not forked yet: they join
             # running when the parent's prompt is computed, so they count against max_num_seqs.
             reserved = sum(len(r.pending_siblings) for r in self.running if r.pending_siblings)
+            compiling: list[Request] = []  # skipped this step: their grammar is not ready
             while (
                 len(self.waiting)
                 and budget > 0
                 and len(self.running) + reserved < self.max_num_seqs
             ):
                 request = self.waiting.peek()
+                if request.grammar is not None and not request.grammar.ready:
+                    compiling.append(self.waiting.pop())  # those behind it go on
+                    continue
                 seats = 1 + len(request.pending_siblings or ())
                 if len(self.running) + reserved + seats > self.max_num_seqs:
                     break
@@ -247,6 +279,8 @@ class Scheduler:
                 reserved += seats - 1
                 self._add_to_batch(out, request, num_new)
                 budget -= num_new
+            for request in reversed(compiling):  # back in their places
+                self.waiting.prepend(request)
         self._finish_batch(out)
         return out
 
@@ -437,4 +471,5 @@ def new_request_data(request: Request) -> NewRequestData:
         bad_word_prefixes=request.bad_word_prefixes,
         siblings=siblings,
         max_total_tokens=request.max_total_tokens,
+        grammar=request.grammar.compiled if request.grammar is not None else None,
     )

@@ -71,10 +71,14 @@ class EngineCore:
         else:
             spec.policy.k_next = 0
             self._last_step_end = None  # no stale start for the next measured step
+        # structured output: a request whose grammar failed to compile ends alone, reported now
+        failed = self.scheduler.end_failed_grammars()
         if self.config.async_scheduling:
             outputs = self._step_async()
         else:
             outputs = self._step_sync()
+        if failed:
+            outputs = self.output_processor.make_outputs([], failed) + outputs
         if may_speculate:  # a step counts as speculating when it verified proposals
             self._measure(batch_size, outputs, self._verified)
         return outputs
@@ -104,8 +108,7 @@ class EngineCore:
     def _step_sync(self) -> list[RequestOutput]:
         sched = self._schedule()
         if not sched.requests:
-            if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("scheduler made no progress with requests pending")
+            self._check_progress()
             return []
         runner_out = self.runner.execute(sched.batch)
         self.num_steps += 1
@@ -121,8 +124,7 @@ class EngineCore:
         if not sched.requests:
             if self._inflight is not None:  # e.g. every running request awaits its last token
                 return self._resolve_inflight()
-            if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("scheduler made no progress with requests pending")
+            self._check_progress()
             return []
         pending = self.runner.execute(sched.batch, async_output=True)
         self.scheduler.on_launched(sched, pending.sample_rows)
@@ -131,6 +133,14 @@ class EngineCore:
             outputs = self._resolve_inflight()
         self._inflight = (sched, pending)
         return outputs
+
+    def _check_progress(self) -> None:
+        """Nothing was scheduled: fine while grammars compile (wait a little for one), a bug
+        otherwise."""
+        if self.scheduler.compiling:
+            self.scheduler.wait_for_grammars()
+        elif self.scheduler.has_unfinished_requests():
+            raise RuntimeError("scheduler made no progress with requests pending")
 
     def _can_run_ahead(self) -> bool:
         """Asynchronous steps need no value on the host: no beams, no request whose sampling

@@ -109,7 +109,8 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("Engine: shut down (shutdown() or unpatch); build a new Engine")
-        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        adapted = self._lease is not None and self._lease.adapted  # no implementation switched
+        if not adapted and self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 "model: its attention implementation was switched to "
                 f"{self.model.config._attn_implementation!r} while this Engine is live; the "
@@ -345,6 +346,8 @@ class Engine:
                 return
             self._closed = True
             self.runner.shutdown()
+            if self.inputs.grammars is not None:
+                self.inputs.grammars.shutdown()
             self._release_model()
 
     def reset_prefix_cache(self) -> bool:

@@ -7,6 +7,7 @@ the field) before anything is queued, and adding never waits behind a step.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterable, Sequence
 from numbers import Integral
 
@@ -15,7 +16,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.core.request import Request
 from hf_paged.engine.stop_checker import build_stop_checkers
-from hf_paged.sampling_params import F_RENORM, F_WARP, SamplingParams
+from hf_paged.sampling_params import F_RENORM, F_STRUCTURED, F_WARP, SamplingParams
 
 
 class InputProcessor:
@@ -41,6 +42,9 @@ class InputProcessor:
         self.lora_check = lora_check
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        # structured output: the grammar compiler (worker thread + cache), made on first use
+        self.grammars = None
+        self._grammars_lock = threading.Lock()
 
     def make_requests(
         self,
@@ -84,9 +88,10 @@ class InputProcessor:
         stop_checkers = build_stop_checkers(params, self.tokenizer)
         banned, bad_word_prefixes = token_bans(params, eos)
         # every sampling option that reads the token history on the host rules out running
-        # ahead of the host (asynchronous scheduling)
+        # ahead of the host (asynchronous scheduling); a grammar reads it too, but the runner
+        # lands the previous step's tokens for its matchers before sampling (model_runner.py)
         async_ok = (
-            not params.features & ~(F_WARP | F_RENORM)
+            not params.features & ~(F_WARP | F_RENORM | F_STRUCTURED)
             and not params.prompt_logprobs
             and params.n == 1
             and not params.prompt_lookup_num_tokens  # its proposals read the tokens
@@ -98,6 +103,7 @@ class InputProcessor:
             )
         if params.prompt_lookup_num_tokens and params.beam_search:
             raise ValueError("prompt_lookup_num_tokens: not supported with beam search")
+        grammar = self._grammar(params, stop) if params.structured is not None else None
         requests = []
         for index in range(params.n):
             rid = request_id if index == 0 else f"{request_id}#{index}"
@@ -121,6 +127,7 @@ class InputProcessor:
                 bad_word_prefixes=bad_word_prefixes,
             )
             request.async_ok = async_ok
+            request.grammar = grammar  # one compiled grammar; each sibling its own matcher
             requests.append(request)
         return requests
 
@@ -153,6 +160,29 @@ class InputProcessor:
                 f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
         return ids
+
+    def _grammar(self, params: SamplingParams, stop: set[int]):
+        """The request's GrammarHandle: parsed here (a bad constraint raises ValueError naming
+        its field), compiled in the background."""
+        field = params.structured.field_name
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: structured output needs Engine(model, tokenizer)")
+        if self.config.draft_model is not None:
+            raise ValueError(
+                f"{field}: not supported on an engine with a draft model (speculation is not "
+                "checked against grammars)"
+            )
+        if not stop:
+            raise ValueError(
+                f"{field}: needs an end-of-sequence token to end on: the model's generation "
+                "config has none; pass eos_token_id or stop_token_ids"
+            )
+        with self._grammars_lock:
+            if self.grammars is None:
+                from hf_paged.structured_output.compiler import GrammarService
+
+                self.grammars = GrammarService(self.tokenizer, self.vocab_size)
+        return self.grammars.submit(params.structured)
 
     def _check_lora(self, params: SamplingParams) -> None:
         name = params.adapter

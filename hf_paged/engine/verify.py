@@ -157,13 +157,24 @@ def _cached_forward(model, seq: torch.Tensor) -> torch.Tensor:
     cache a plain forward cannot continue (hybrids whose generate builds their cache), gets
     one forward of the whole sequence instead."""
     # transformers 5.24 renamed past_key_values to cache (the old name warns); 5.20 has the old
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    # generate passes position ids 0.. where the forward takes them; a plain forward would build
+    # others in some families (RoBERTa and its kin start at padding_idx + 1 from input_ids)
+    n = len(seq) - 1
+    pos = (
+        {"position_ids": torch.arange(n + 1, device=seq.device)[None]}
+        if "position_ids" in params
+        else {}
+    )
+    first = {k: v[:, :n] for k, v in pos.items()}
+    last = {k: v[:, n:] for k, v in pos.items()}
     try:
-        prompt = model(input_ids=seq[None, :-1], use_cache=True)
-        step = model(input_ids=seq[None, -1:], use_cache=True, **{name: prompt[name]})
+        prompt = model(input_ids=seq[None, :-1], use_cache=True, **first)
+        step = model(input_ids=seq[None, -1:], use_cache=True, **{name: prompt[name]}, **last)
         return torch.cat([prompt.logits[0], step.logits[0, -1:]]).float()
     except Exception:
-        return model(input_ids=seq[None], use_cache=False).logits[0].float()
+        return model(input_ids=seq[None], use_cache=False, **pos).logits[0].float()
 
 
 @torch.inference_mode()

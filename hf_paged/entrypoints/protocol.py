@@ -4,7 +4,8 @@ Every field OpenAI defines is either implemented or refused by name (a 400 namin
 silently ignored. A field that is absent, null, or set to the value that means "off" (say
 `logit_bias: {}`) asks for nothing, so it passes. A few vLLM extensions that map straight onto
 SamplingParams (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) are
-accepted too.
+accepted too. Structured output: OpenAI's `response_format` (json_schema, json_object) and
+vLLM's guided_json / guided_regex / guided_choice / guided_grammar (one per request).
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.structured_output import StructuredOutputs
+
+# vLLM's guided decoding fields -> StructuredOutputs fields
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 # Fields OpenAI defines that hf_paged does not implement, with the values that ask for nothing
 # (these pass; any other value is a 400 naming the field).
@@ -23,7 +33,6 @@ NO_OP_VALUES: dict[str, tuple] = {
     "suffix": ("",),
     "store": (False,),
     "parallel_tool_calls": (True, False),  # without tools it changes nothing
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none",),
     "tools": ([],),
     "functions": ([],),
@@ -64,6 +73,12 @@ class _Base(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured output (hf_paged.structured_output)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -117,7 +132,29 @@ class _Base(BaseModel):
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop,
             logprobs=logprobs,
+            structured=self.structured_outputs(),
         )
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The body's constraint, parsed (a bad one raises ValueError naming its field)."""
+        given = {k: f for k, f in GUIDED_FIELDS.items() if getattr(self, k) is not None}
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            given["response_format"] = None
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(sorted(given))}: one structured output field at a time")
+        if not given:
+            return None
+        ((name, kind),) = given.items()
+        try:
+            if name == "response_format":
+                constraint = _response_format(fmt)
+            else:
+                constraint = StructuredOutputs(**{kind: getattr(self, name)})
+            constraint.grammar_object()
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return constraint
 
     @property
     def include_usage(self) -> bool:
@@ -192,6 +229,20 @@ class ChatCompletionRequest(_Base):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _response_format(fmt: dict) -> StructuredOutputs:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError('json_schema must be an object with a "schema" object')
+        return StructuredOutputs(json=spec["schema"])
+    raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):

@@ -149,6 +149,26 @@ class OpenAIServing:
             c.finish_reason = out.finish_reason
         return i, piece
 
+    async def stream(self, handle, choices, want_lp, base, make_choice, usage_of):
+        """The SSE chunks of a streamed response: one event per choice that has something new
+        (make_choice(i, piece, choice) builds it, or None to send nothing), the events of one
+        engine output batched into one write; then usage_of() if asked for, and [DONE]."""
+        async for outs in self._outputs(handle):
+            events = []
+            for out in outs:
+                i, piece = self._take(handle, choices, out, want_lp)
+                if piece is None:
+                    continue
+                choice = make_choice(i, piece, choices[i])
+                if choice is not None:
+                    events.append(sse({**base, "choices": [choice]}))
+            if events:
+                yield "".join(events)
+        usage = usage_of()
+        if usage is not None:
+            yield sse({**base, "choices": [], "usage": usage})
+        yield SSE_DONE
+
     async def run_full(self, handle, choices, want_lp) -> None:
         """Wait for every choice to finish (non-streamed)."""
         async for outs in self._outputs(handle):

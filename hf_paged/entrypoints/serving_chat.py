@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from hf_paged.entrypoints.protocol import ChatCompletionRequest
-from hf_paged.entrypoints.serving import SSE_DONE, OpenAIServing, sse
+from hf_paged.entrypoints.serving import OpenAIServing
 
 
 class ChatRun:
@@ -48,37 +48,35 @@ class ChatRun:
             "usage": s.usage(self.prompts, choices),
         }
 
+    def _usage(self) -> dict | None:
+        """The stream's closing usage chunk, when the request asked for one."""
+        if not self.body.include_usage:
+            return None
+        return self.serving.usage(self.prompts, self.choices)
+
     async def chunks(self) -> AsyncIterator[str]:
         s, choices = self.serving, self.choices
         base = {**self.head, "object": "chat.completion.chunk"}
         want_lp = self.num_logprobs is not None
-        async for outs in s._outputs(self.handle):
-            events = []
-            for out in outs:
-                i, piece = s._take(self.handle, choices, out, want_lp)
-                c = choices[i]
-                if piece is None:
-                    continue
-                delta = {}
-                if not c.started:  # OpenAI's first delta of a choice names the role
-                    c.started = True
-                    delta["role"] = "assistant"
-                    delta["content"] = ""
-                if piece:
-                    delta["content"] = piece
-                if not delta and c.finish_reason is None and not c.logprobs:
-                    continue
-                logprobs = self._logprobs(c.logprobs)
-                c.logprobs = []
-                choice = {
-                    "index": i,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                }
-                events.append(sse({**base, "choices": [choice]}))
-            if events:
-                yield "".join(events)
-        if self.body.include_usage:
-            yield sse({**base, "choices": [], "usage": s.usage(self.prompts, choices)})
-        yield SSE_DONE
+
+        def choice(i, piece, c):
+            delta = {}
+            if not c.started:  # OpenAI's first delta of a choice names the role
+                c.started = True
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            if piece:
+                delta["content"] = piece
+            if not delta and c.finish_reason is None and not c.logprobs:
+                return None
+            logprobs = self._logprobs(c.logprobs)
+            c.logprobs = []
+            return {
+                "index": i,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            }
+
+        async for chunk in s.stream(self.handle, choices, want_lp, base, choice, self._usage):
+            yield chunk

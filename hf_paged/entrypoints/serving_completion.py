@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from hf_paged.entrypoints.protocol import CompletionRequest
-from hf_paged.entrypoints.serving import SSE_DONE, OpenAIServing, sse
+from hf_paged.entrypoints.serving import OpenAIServing
 
 
 class CompletionRun:
@@ -43,28 +43,30 @@ class CompletionRun:
             "usage": s.usage(self.prompts, choices),
         }
 
+    def _usage(self) -> dict | None:
+        """The stream's closing usage chunk, when the request asked for one."""
+        if not self.body.include_usage:
+            return None
+        return self.serving.usage(self.prompts, self.choices)
+
     async def chunks(self) -> AsyncIterator[str]:
         s, choices, base = self.serving, self.choices, self.base
-        async for outs in s._outputs(self.handle):
-            events = []
-            for out in outs:
-                i, piece = s._take(self.handle, choices, out, self.want_logprobs)
-                c = choices[i]
-                if piece is None or (not piece and c.finish_reason is None and not c.logprobs):
-                    continue
-                logprobs = None
-                if self.want_logprobs:
-                    logprobs = s.completion_logprobs(c.logprobs, c)
-                    c.logprobs = []
-                choice = {
-                    "index": i,
-                    "text": piece,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                }
-                events.append(sse({**base, "choices": [choice]}))
-            if events:
-                yield "".join(events)
-        if self.body.include_usage:
-            yield sse({**base, "choices": [], "usage": s.usage(self.prompts, choices)})
-        yield SSE_DONE
+
+        def choice(i, piece, c):
+            if not piece and c.finish_reason is None and not c.logprobs:
+                return None
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = s.completion_logprobs(c.logprobs, c)
+                c.logprobs = []
+            return {
+                "index": i,
+                "text": piece,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            }
+
+        async for chunk in s.stream(
+            self.handle, choices, self.want_logprobs, base, choice, self._usage
+        ):
+            yield chunk

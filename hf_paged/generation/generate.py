@@ -38,6 +38,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_paged.generation.streaming import LockstepStreamer
+from hf_paged.generation.structured import pop_structured
 from hf_paged.lora import layers as lora_layers
 from hf_paged.sampling_params import SamplingParams
 
@@ -242,6 +243,7 @@ class GenerationPlan:
     adapter_names: list[str] | None = None
     # without adapter_names, peft runs its active adapter on every row: so does the engine
     active_adapter: str | None = None
+    structured: object = None  # json_schema= / regex= / ...: a StructuredOutputs (structured.py)
 
 
 @dataclass(slots=True)
@@ -274,6 +276,7 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
             "assistant_model: hf_paged speculates with the draft model given when the model is "
             "patched: hf_paged.patch(model, draft_model=assistant), then generate() as usual"
         )
+    structured = pop_structured(kwargs)
     custom_processors = kwargs.pop("logits_processor", None)
     custom_criteria = kwargs.pop("stopping_criteria", None)
     streamer = kwargs.pop("streamer", None)
@@ -316,6 +319,8 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
             "assistant_model / prompt_lookup_num_tokens with num_beams > 1 (beam search) is not "
             "supported by hf_paged"
         )
+    if structured is not None and (gen.num_beams or 1) > 1:
+        raise ValueError("num_beams: structured output is not supported with beam search")
     if adapter_names is not None and (gen.num_beams or 1) > 1:
         raise ValueError("adapter_names with num_beams > 1 is not supported by hf_paged yet")
     active = None if adapter_names is not None else lora_layers.active_adapter(model)
@@ -326,7 +331,7 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
         )
     return GenerationPlan(
         gen, processors, criteria, streamer, has_default_max_length, pad, eos, adapter_names,
-        active,
+        active, structured,
     )  # fmt: skip
 
 
@@ -383,8 +388,10 @@ def prepare_rows(model, plan: GenerationPlan, input_ids, attention_mask) -> RowB
     params = None
     if (gen.num_beams or 1) == 1:
         params = sampling_params_from_config(gen, max_new, min_new, plan.processors, plan.criteria)
-        if plan.active_adapter is not None:
-            params = dataclasses.replace(params, adapter=plan.active_adapter)
+        if plan.active_adapter is not None or plan.structured is not None:
+            params = dataclasses.replace(
+                params, adapter=plan.active_adapter, structured=plan.structured
+            )
     return RowBatch(input_ids, prompts, params, max_new, min_new)
 
 

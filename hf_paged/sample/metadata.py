@@ -34,6 +34,8 @@ class SamplingRow:
     # n > 1: the siblings that sample their first token from this row's first logits
     siblings: list[SamplingRow] | None = None
     features: int = 0  # params.features, read once per row per step
+    # structured output: the row's grammar matcher (hf_paged.structured_output RowMatcher)
+    structured: object = None
     # -- caches, kept across steps --
     ban_mask: torch.Tensor | None = None  # banned_token_ids as a bool [V] row, built on first use
     penalty_slot: int = -1  # row in the penalty TokenCountPool; -1 = none yet

@@ -28,7 +28,8 @@ import torch
 
 from hf_paged.sample.logits_processing import TokenCountPool, process_logits
 from hf_paged.sample.metadata import SamplerOutput, SamplingRow
-from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_RENORM, F_WARP
+from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_RENORM, F_STRUCTURED, F_WARP
+from hf_paged.structured_output.logits_mask import GrammarBitmask
 from hf_paged.worker.host_to_device import device_tensor
 
 
@@ -46,10 +47,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless: sample(logits, rows, pool) -> SamplerOutput."""
+    """Stateless: sample(logits, rows, pool) -> SamplerOutput. (It owns one reusable buffer:
+    the host side of structured output's token bitmask.)"""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.grammar = GrammarBitmask(device)
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow], pool: TokenCountPool | None = None
@@ -76,6 +79,8 @@ class Sampler:
         if any_feats & F_FORK:
             logits, rows, feats = _add_fork_rows(logits, rows, feats)
         failed: dict[str, BaseException] = {}
+        if any_feats & F_STRUCTURED:  # grammar masks first: every later stage sees them
+            self.grammar.apply(logits, rows, failed)
         # rows the kernel samples leave their warpers (and the renormalisation, which only
         # shows in recorded scores, which these rows do not keep) to it
         fast = [i for i, (r, f) in enumerate(zip(rows, feats)) if f & F_WARP and _kernel_ok(r)]

@@ -26,6 +26,8 @@ class PendingOutput:
         self.epochs = epochs
         self.positions = positions  # where each sampled token goes in its row
         self.host = host  # None: nothing was sampled
+        # request id -> what failed its sampling (a grammar that refused its token), or None
+        self.failed: dict | None = None
         self.event = None
         if host is not None and on_cuda:  # the copy (or the graph's write) is queued
             self.event = torch.cuda.Event()

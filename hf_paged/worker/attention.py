@@ -41,6 +41,7 @@ class AttentionBackend:
         softcap: float | None,
         pdl: bool = False,  # programmatic dependent launch (Triton on Hopper); others ignore it
         sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss's s_aux)
+        alibi_slopes: torch.Tensor | None = None,  # [Hq] ALiBi slopes (Bloom, MPT, Falcon)
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -67,12 +68,14 @@ class TorchBackend(AttentionBackend):
         softcap,
         pdl=False,
         sinks=None,
+        alibi_slopes=None,
     ):
         from hf_paged.kernels import paged_attention_ref
 
         return paged_attention_ref(
-            query, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks
-        )
+            query, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks,
+            alibi_slopes,
+        )  # fmt: skip
 
 
 class TritonBackend(AttentionBackend):
@@ -102,6 +105,7 @@ class TritonBackend(AttentionBackend):
         softcap,
         pdl=False,
         sinks=None,
+        alibi_slopes=None,
     ):
         return self._kernels.paged_attention(
             query,
@@ -112,6 +116,7 @@ class TritonBackend(AttentionBackend):
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
             pdl=pdl,
         )
 
@@ -188,6 +193,10 @@ def paged_attention_forward(
     cap = float(softcap) if softcap else 0.0
     # attention sinks (gpt-oss and kin pass them as s_aux): one extra softmax logit per head
     sinks = kwargs.get("s_aux")
+    # ALiBi slopes, one per query head: passed by the attention adapters of Bloom, MPT and
+    # Falcon's ALiBi variant (integrations/attention_forwards.py); no transformers model passes
+    # them through the attention interface
+    alibi = kwargs.get("alibi_slopes")
     # compile_scope="layers" registers the layer index as a CPU tensor buffer: as a Python int it
     # would be a constant guarded per layer, and compiled decoder layers would compile once per
     # layer instead of sharing one graph (hf_paged/worker/compilation.py).
@@ -197,15 +206,15 @@ def paged_attention_forward(
         raise ValueError(f"{type(module).__name__} has no layer_idx: cannot pick its KV cache")
     if not torch.compiler.is_compiling():
         layer = int(layer_t) if layer_t is not None else layer_idx
-        out = _paged_attention(q, k, v, layer, float(scaling), window, cap, sinks)
+        out = _paged_attention(q, k, v, layer, float(scaling), window, cap, sinks, alibi)
     elif layer_t is not None:
         # opaque to dynamo/inductor: they see one op per layer, not our kernels' Python wrappers
         out = torch.ops.hf_paged.paged_attention_t(
-            q, k, v, layer_t, float(scaling), window, cap, sinks
+            q, k, v, layer_t, float(scaling), window, cap, sinks, alibi
         )
     else:
         out = torch.ops.hf_paged.paged_attention(
-            q, k, v, layer_idx, float(scaling), window, cap, sinks
+            q, k, v, layer_idx, float(scaling), window, cap, sinks, alibi
         )
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
@@ -260,10 +269,13 @@ _UNSUPPORTED_KWARGS = ("sinks", "position_bias", "indices", "block_indices")
 
 
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
-    if kwargs.get("is_causal") is False:
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        # sdpa reads the module's is_causal when the call passes none (BERT-family LM heads
+        # built without config.is_decoder=True attend both ways)
         raise ValueError(
-            f"{type(module).__name__}: non-causal (bidirectional) attention is not supported by "
-            "hf_paged"
+            f"{type(module).__name__}: non-causal (bidirectional) attention (is_causal=False; "
+            "a BERT-family model is causal only with config.is_decoder=True) is not supported "
+            "by hf_paged"
         )
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -282,6 +294,7 @@ def _paged_attention(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V for one layer, then attend; [T, Hq, Dv] contiguous."""
     ctx = get_forward_context()
@@ -315,6 +328,7 @@ def _paged_attention(
         sliding_window or None,
         softcap or None,
         sinks=sinks,
+        alibi_slopes=alibi,
     )
     return out.contiguous()
 
@@ -329,11 +343,12 @@ def _paged_attention_op(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The KV-cache write is a side effect on tensors held by the forward context, not on the
     # op's arguments, so the op declares no mutated args; its output feeds o_proj, which keeps
     # the per-layer order.
-    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap, sinks)
+    return _paged_attention(q, k, v, layer_idx, scale, sliding_window, softcap, sinks, alibi)
 
 
 @torch.library.custom_op("hf_paged::paged_attention_t", mutates_args=())
@@ -346,13 +361,14 @@ def _paged_attention_t_op(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same, with the layer index as a CPU scalar tensor (per-layer compilation); reading
     it costs no device sync."""
-    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap, sinks)
+    return _paged_attention(q, k, v, int(layer), scale, sliding_window, softcap, sinks, alibi)
 
 
-def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None):
+def _attention_shape(q, k, v, layer, scale, sliding_window, softcap, sinks=None, alibi=None):
     return q.new_empty((*q.shape[:2], v.shape[-1]))  # for tracing: [T, Hq, value head size]
 
 

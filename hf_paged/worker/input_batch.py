@@ -17,6 +17,7 @@ import torch
 from hf_paged.core.outputs import NewRequestData
 from hf_paged.sample.logits_processing import TokenCountPool
 from hf_paged.sample.metadata import SamplingRow
+from hf_paged.structured_output.logits_mask import RowMatcher as row_matcher
 
 
 def sampling_row(data: NewRequestData) -> SamplingRow:
@@ -33,6 +34,7 @@ def sampling_row(data: NewRequestData) -> SamplingRow:
         banned_token_ids=data.banned_token_ids,
         bad_word_prefixes=data.bad_word_prefixes,
         siblings=siblings,
+        structured=row_matcher(data.grammar, data.stop_token_ids) if data.grammar else None,
     )
 
 
@@ -98,14 +100,17 @@ class InputBatch:
 
     def add_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
         """Sampled tokens known on the host: each is its row's next input, and the next entry
-        of its sampling history (for the rows whose sampling reads it)."""
+        of its sampling history (for the rows whose sampling reads it). Idempotent: a token
+        already in a row's history (landed early for a grammar matcher) is not added again."""
         self.token_ids[rows, positions] = tokens
         self.num_known[rows] = positions + 1
         history = self.needs_history[rows]
         if history.any():
             sampling = self.sampling
             for k in np.flatnonzero(history).tolist():
-                sampling[int(rows[k])].token_ids.append(tokens[k])
+                ids = sampling[int(rows[k])].token_ids
+                if len(ids) == positions[k]:
+                    ids.append(tokens[k])
 
     def add_run(self, row: int, start: int, tokens: list[int]) -> None:
         """A verify step's tokens for one row (its accepted proposals and the target's token),

@@ -15,7 +15,7 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.worker.compilation import compile_model
-from hf_paged.worker.forward_context import PendingTokens
+from hf_paged.worker.forward_context import PendingTokens, get_forward_context
 
 
 class ModelForward:
@@ -118,6 +118,9 @@ class ModelForward:
         return self._call_model(model, input_ids, positions, keep)
 
     def _call_model(self, model, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor):
+        ctx = get_forward_context()
+        if ctx is not None:  # for models whose forward takes no position_ids (step_positions)
+            ctx.positions = pos
         if self._logits_to_keep:
             out = model(
                 input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep

@@ -19,6 +19,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.core.outputs import ModelRunnerOutput, ScheduledBatch
 from hf_paged.sample.sampler import Sampler
+from hf_paged.sampling_params import F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.forward_context import ForwardContext, forward_context
@@ -69,6 +70,8 @@ class ModelRunner:
         # speculative decoding (hf_paged/spec_decode): proposals for the next step, made after
         # each synchronous step; set by the engine when it speculates
         self.spec = None
+        # asynchronous scheduling: the launched step whose tokens the host has not read yet
+        self._pending: PendingOutput | None = None
         self.forward = ModelForward(model, config, self.backend.name)
         try:
             self._start(config)
@@ -177,6 +180,8 @@ class ModelRunner:
             # a decode graph this index_copy_ overwrites its greedy tokens in last_tokens.
             ib = self.input_batch
             rows = [ib.sampling[r] for r in step.rows[sample_idx].tolist()]
+            if step.features & F_STRUCTURED and self._pending is not None:
+                self._land(self._pending)  # grammar matchers need the previous step's tokens
             sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
             tokens_t = sampled.tokens
             if self.config.async_scheduling:  # the next step may read them before the host does
@@ -188,10 +193,12 @@ class ModelRunner:
             if tokens_t is not None and landed is None:
                 host = self._host_buffer(len(sample_rows))
                 host.copy_(tokens_t, non_blocking=True)
-            return PendingOutput(
+            self._pending = PendingOutput(
                 num_seqs, sample_rows, step.rows[sample_idx], step.seq_lens[sample_idx], host,
                 self.input_batch.epoch[step.rows[sample_idx]], self.device.type == "cuda",
             )  # fmt: skip
+            self._pending.failed = sampled.failed if sampled is not None else None
+            return self._pending
         if landed is not None:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
@@ -218,15 +225,30 @@ class ModelRunner:
     def finish_async(self, pending: PendingOutput) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; each request still holding the row it sampled in
         (not released or reused meanwhile) gets its token as its row's next input."""
-        tokens = pending.wait()
+        if pending is self._pending:
+            self._pending = None
+        tokens = self._land(pending)
         if tokens is None:
             return ModelRunnerOutput.from_rows(pending.num_seqs, [], [])
+        return ModelRunnerOutput.from_rows(
+            pending.num_seqs, pending.sample_rows, tokens.tolist(), failed=pending.failed
+        )
+
+    def _land(self, pending: PendingOutput):
+        """Wait for a launched step's tokens and write them into the rows that still belong to
+        the requests that sampled them. Also called early, before the next step samples, when
+        that step has grammar-constrained rows: their matchers must see the previous token
+        (structured output under asynchronous scheduling; the forward is already queued, so the
+        GPU keeps working while the host waits). Writing twice is harmless (add_tokens)."""
+        tokens = pending.wait()
+        if tokens is None:
+            return None
         live = self.input_batch.epoch[pending.rows] == pending.epochs
         if live.all():
             self._add_tokens(pending.rows, pending.positions, tokens.tolist())
         elif live.any():
             self._add_tokens(pending.rows[live], pending.positions[live], tokens[live].tolist())
-        return ModelRunnerOutput.from_rows(pending.num_seqs, pending.sample_rows, tokens.tolist())
+        return tokens
 
     def _update_rows(self, batch: ScheduledBatch) -> None:
         """Before the step: drop released requests, copy copied-on-write blocks, take new
