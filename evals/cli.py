@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench, spec, sampling."""
+coverage, serve-bench, spec, sampling, quant-accuracy."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument(
         "--dataset",
         action="append",
-        help="synthetic (W1) | sharegpt | shared-prefix | batch1 | workload .json; "
+        help="synthetic (W1) | sharegpt | shared-prefix | batch1 | long-decode (4k prompts, "
+        "512 out, 256 requests) | workload .json; "
         "comma list or repeated (default: synthetic)",
     )
     thr.add_argument(
@@ -138,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="paged engine: steps of at most this many tokens run the fused small-batch forward "
         "(Llama/Mistral/Qwen2 on the Triton backend; default 2; 0 off)",
     )
+    thr.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="paged engine: FP8 weights (docs/quantization.md)",
+    )
+    thr.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="paged engine: auto | fp8_e4m3 | fp8_e5m2 | float16 | bfloat16 | float32",
+    )
     thr.add_argument("--no-plots", action="store_true")
 
     exp = sub.add_parser(
@@ -159,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     plots.add_argument("files", nargs="+")
     plots.add_argument("--out", default=str(RESULTS_DIR))
 
+    from .quant_bench import add_parser as add_quant_bench
     from .sampling_bench import add_parser as add_sampling_bench
     from .serve_bench import add_parser as add_serve_bench
     from .spec_bench import add_parser as add_spec_bench
@@ -168,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench(sub, _common)
     add_spec_bench(sub, _common)
     add_sampling_bench(sub, _common)
+    add_quant_bench(sub, _common)
     add_structured(sub, _common)
     add_structured_bench(sub, _common)
 
@@ -334,6 +348,8 @@ def cmd_throughput(args) -> int:
             ("async_scheduling", args.async_scheduling),
             ("fuse_projections", args.fuse_projections),
             ("small_batch_rows", args.small_batch_rows),
+            ("quantization", args.quantization),
+            ("kv_cache_dtype", args.kv_cache_dtype),
         )
         if v is not None
     }
@@ -467,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
             from .sampling_bench import cmd_sampling
 
             return cmd_sampling(args, _save)
+        if args.command == "quant-accuracy":
+            from .quant_bench import cmd_quant
+
+            return cmd_quant(args, _save)
         if args.command == "structured":
             from .structured_eval import cmd_structured
 

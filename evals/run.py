@@ -1,4 +1,5 @@
-"""Entry point: `python evals/run.py {accuracy,throughput,structured,...} ...` (see cli.py).
+"""Entry point: `python evals/run.py {accuracy,throughput,quant-accuracy,structured,...} ...`
+(see cli.py).
 
 evals/ is loaded as the package `hf_paged_evals` rather than put on sys.path: Python puts a
 script's folder first on sys.path, where a module named like an installed package (PyPI's

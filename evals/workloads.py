@@ -219,7 +219,25 @@ def batch1(
     return Workload("batch1", reqs, "batch-1 latency", max_concurrency=1, meta={"seed": seed})
 
 
-WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "batch1")
+def long_decode(
+    vocab_size: int,
+    num_requests: int = 256,
+    prompt_len: int = 4096,
+    output_len: int = 512,
+    seed: int = 0,
+) -> Workload:
+    """Long contexts, decode-heavy: where the KV cache's bytes (its size and the attention's
+    reads) bound throughput, as an FP8 cache is meant to relieve."""
+    rng = random.Random(seed)
+    reqs = [
+        WorkloadRequest(_random_ids(rng, prompt_len, vocab_size), output_len)
+        for _ in range(num_requests)
+    ]
+    desc = f"long decode: random tokens, prompt {prompt_len}, output {output_len}"
+    return Workload("long-decode", reqs, desc, meta={"seed": seed})
+
+
+WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "batch1", "long-decode")
 
 
 def build_workload(
@@ -236,6 +254,8 @@ def build_workload(
         return shared_prefix(vocab_size, seed=seed)
     if name == "batch1":
         return batch1(vocab_size, seed=seed)
+    if name == "long-decode":
+        return long_decode(vocab_size, seed=seed)
     check_workload_name(name)
     return load_workload_file(name, vocab_size)
 

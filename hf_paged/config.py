@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# "auto": the model's dtype. FP8 needs scales in the attention kernels (not there yet).
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+# "auto": the model's dtype; "fp8_e4m3"/"fp8_e5m2": float8 with per-layer scales
+# (hf_paged/quantization/kv_cache.py, docs/quantization.md)
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(slots=True)
@@ -26,6 +27,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    # FP8 KV cache: one scale for every layer's K and V (stored = K / scale); None: calibrated
+    # per layer at start-up (hf_paged/quantization/kv_cache.py)
+    kv_cache_scale: float | None = None
+    # "fp8": the model's linear layers (not lm_head) quantised to float8_e4m3 with per-output-
+    # channel scales at start-up, the originals released (hf_paged/quantization/fp8_weights.py);
+    # the model keeps them after the engine. None: the weights as loaded.
+    quantization: str | None = None
     # CUDA only: capture the whole forward of pure-decode batches per batch-size bucket
     cuda_graphs: bool = True
     max_graph_batch_size: int = 512  # buckets 1, 2, 4, 8, 16, 32, 48, ... up to this
@@ -157,9 +165,19 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r} "
-                "(an FP8 KV cache is not supported yet)"
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+        if self.kv_cache_scale is not None:
+            s = self.kv_cache_scale
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < float("inf"):
+                raise ValueError(f"kv_cache_scale must be a positive finite float, got {s!r}")
+            if not self.kv_cache_dtype.startswith("fp8"):
+                raise ValueError(
+                    f"kv_cache_scale applies to an FP8 KV cache only; kv_cache_dtype is "
+                    f"{self.kv_cache_dtype!r}"
+                )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', "

@@ -50,8 +50,24 @@ def _bloom_qkv(m, a):
     return m._reshape(m.query_key_value(a["hidden_states"]))  # [B, H, T, D] each
 
 
+def _falcon_split(m, fused: torch.Tensor):
+    # FalconAttention._split_heads with slices where it indexes by a list ([-2]): a list index is
+    # a host tensor copied to the device, which a CUDA graph capture refuses. Same values, shapes.
+    b, t, _ = fused.shape
+    if m.new_decoder_architecture:
+        qkv = fused.view(b, t, -1, m.num_heads // m.num_kv_heads + 2, m.head_dim)
+        q, k, v = qkv[:, :, :, :-2], qkv[:, :, :, -2:-1], qkv[:, :, :, -1:]
+        k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+        return tuple(x.flatten(2, 3) for x in (q, k, v))
+    if not m.multi_query:
+        fused = fused.view(b, t, m.num_heads, 3, m.head_dim)
+        return fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
+    fused = fused.view(b, t, m.num_heads + 2, m.head_dim)
+    return fused[..., :-2, :], fused[..., -2:-1, :], fused[..., -1:, :]
+
+
 def _falcon_qkv(m, a):
-    q, k, v = m._split_heads(m.query_key_value(a["hidden_states"]))  # [B, T, H, D]
+    q, k, v = _falcon_split(m, m.query_key_value(a["hidden_states"]))  # [B, T, H, D]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if a["alibi"] is None:  # rotary variant
         cos, sin = a["position_embeddings"]

@@ -60,14 +60,21 @@ class FusedProjection(nn.Module):
         start = sum(self.sizes[:index])
         return slice(start, start + self.sizes[index])
 
+    def linear(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[rows]
+        scale = self._buffers.get("weight_scale")
+        if scale is not None:  # FP8 weights (quantization="fp8"): per-row scales
+            from hf_paged.quantization.fp8_weights import fp8_linear
+
+            return fp8_linear(x, self.weight[rows], scale[rows], bias)
+        return F.linear(x, self.weight[rows], bias)
+
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if index == 0:
-            self._parts = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._parts = self.linear(x).split(self.sizes, dim=-1)
             self._input = x
         elif self._input is not x:  # not the group's usual call order: compute this slice only
-            rows = self.rows(index)
-            bias = None if self.bias is None else self.bias[rows]
-            return F.linear(x, self.weight[rows], bias)
+            return self.linear(x, self.rows(index))
         out = self._parts[index]
         if index == len(self.sizes) - 1:  # last of the group: hold no activations between calls
             self._input = self._parts = None
@@ -164,8 +171,15 @@ def unfuse_projections(model: nn.Module) -> int:
             fused = getattr(module, key, None)
             if fused is None:
                 continue
+            scale = fused._buffers.get("weight_scale")
             for index, name in enumerate(names):
                 part: ProjectionSlice = getattr(module, name)
+                if scale is not None:  # quantised while fused: FP8 layers of their rows
+                    from hf_paged.quantization.fp8_weights import Fp8Linear
+
+                    rows = fused.rows(index)
+                    setattr(module, name, Fp8Linear.of(part.weight, scale[rows], part.bias))
+                    continue
                 layer = nn.Linear(
                     part.in_features,
                     part.out_features,

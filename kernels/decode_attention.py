@@ -32,6 +32,7 @@ from hf_paged.worker.forward_context import AttentionMetadata
 from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
 from .attention_config import AttentionConfig, choose_decode_num_kv_splits, decode_config
 from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .kv_write import check_kv_scales
 from .paged_attention import _check_attention_args, _shared_launch_args, sinks_for_kernel
 from .split_kv_reduce import _reduce_splits, _split_workspace
 
@@ -40,8 +41,12 @@ from .split_kv_reduce import _reduce_splits, _split_workspace
 def _attend(
     acc, l_i, m_i, q, k, v, keep, scale, softcap,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     # paged_attention's masked tile (_attend_kv_tile) on K/V already loaded; keep: [BLOCK_N]
+    if k.dtype.is_fp8():  # an FP8 cache: scales applied by the caller, as in paged_attention
+        k = k.to(COMPUTE_DTYPE)
+        v = v.to(COMPUTE_DTYPE)
     p, acc, l_i, m_i = _softmax_step(
         acc, l_i, m_i, q, k, keep[None, :], scale, softcap, True, SOFTCAP, DOT_PRECISION,
         DOT_UPCAST,
@@ -62,6 +67,7 @@ def _decode_attention_kernel(
     num_splits,
     sinks_ptr,  # f32 [Hq] attention sinks (SINKS only)
     scale,
+    out_scale,  # FP8 caches: v_scale (1.0 otherwise)
     softcap,
     sliding_window,
     stride_q_t,
@@ -173,7 +179,7 @@ def _decode_attention_kernel(
     if t_lo < t_hi:
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, k, v, k_ok & (k_idx >= kv_lo), scale, softcap,
-            SOFTCAP, DOT_PRECISION, DOT_UPCAST,
+            SOFTCAP, DOT_PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
         )  # fmt: skip
     for t in range(t_lo + 1, t_hi):  # the split's further tiles: loaded after the wait
         k_idx = t * BLOCK_N + offs_n
@@ -187,12 +193,24 @@ def _decode_attention_kernel(
         k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
         v = tl.load(v_head_ptr + v_off, mask=v_mask, other=0.0)
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, k, v, k_ok, scale, softcap, SOFTCAP, DOT_PRECISION, DOT_UPCAST
+            acc,
+            l_i,
+            m_i,
+            q,
+            k,
+            v,
+            k_ok,
+            scale,
+            softcap,
+            SOFTCAP,
+            DOT_PRECISION,
+            DOT_UPCAST,
+            out_ptr.dtype.element_ty,
         )
 
     # an empty split (l == 0) weighs 0 in the reduce
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc * (out_scale / l_safe)[:, None]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
         wo = ws_o_ptr + seq * stride_wo_t + head[:, None] * stride_wo_h + split_id * stride_wo_s
@@ -233,11 +251,14 @@ def decode_attention(
     sinks: torch.Tensor | None = None,  # [Hq]: attention sinks, as in paged_attention
     num_kv_splits: int | None = None,
     pdl: bool = False,
+    k_scale: float = 1.0,  # FP8 caches, as in paged_attention
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, Hq, Dv]
     """paged_attention for a batch whose every sequence has exactly one query token (token i
     is sequence i's, meta.max_query_len == 1), with the cache reads issued before the PDL wait.
     num_kv_splits and meta.max_seq_len set the flash-decoding split as in paged_attention."""
     _check_attention_args(query, key_cache, value_cache, meta, None)
+    check_kv_scales(k_scale, v_scale)
     sinks = sinks_for_kernel(sinks, query)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
@@ -259,8 +280,8 @@ def decode_attention(
     head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
     ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_v_pad)
     args, kwargs = _shared_launch_args(
-        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits, scale,
-        sliding_window, softcap, sinks, cfg, pdl,
+        query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits,
+        (float(scale) * k_scale, float(v_scale)), sliding_window, softcap, sinks, cfg, pdl,
     )  # fmt: skip
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         out,

@@ -13,6 +13,20 @@ import triton
 import triton.language as tl
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# FP8 caches (hf_paged/quantization/kv_cache.py): each layer's K and V are stored divided by a
+# per-tensor scale, saturated to the format's largest finite value (a float -> float8 cast
+# overflows to NaN or inf otherwise).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_CACHE_DTYPES = _FLOAT_DTYPES + tuple(FP8_MAX)
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x / scale in the cache dtype, saturated for FP8 (a no-op cast for the float dtypes)."""
+    fmax = FP8_MAX.get(dtype)
+    if fmax is None:
+        return x.to(dtype)
+    # times the reciprocal, as the kernel computes it (a division rounds differently at ties)
+    return (x.float() * (1.0 / scale)).clamp(-fmax, fmax).to(dtype)
 
 
 def interpreting() -> bool:
@@ -45,14 +59,18 @@ def write_kv_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     slot_mapping: torch.Tensor,  # int64 [T]; -1 = padding, write nothing
+    k_scale: float = 1.0,  # FP8 caches: stored = key / k_scale (saturated)
+    v_scale: float = 1.0,
 ) -> None:
     """Pure-torch reference (and the CPU backend): cache[slot // B, slot % B] = new token's K/V."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    flat_k = key_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, Dk]
-    flat_v = value_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, Dv]
-    flat_k.index_copy_(0, slots, key[valid].to(key_cache.dtype))
-    flat_v.index_copy_(0, slots, value[valid].to(value_cache.dtype))
+    for new, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        rows = quantize_ref(new[valid], cache.dtype, scale)
+        flat = cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
+        if cache.dtype in FP8_MAX:  # index_copy_ has no float8 kernels: copy the bytes
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slots, rows)
 
 
 @triton.jit
@@ -79,6 +97,9 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,  # a value head's width (MLA: narrower than a key's)
     HEAD_DIM_V_PAD: tl.constexpr,
+    k_inv_scale,  # FP8 only: 1 / k_scale
+    v_inv_scale,
+    FP8_MAX: tl.constexpr,  # > 0: an FP8 cache, stored scaled and saturated
 ):
     # One program = one token x BLOCK_H kv heads: a [BLOCK_H, D] tile, one contiguous row per head.
     token = tl.program_id(0).to(tl.int64)
@@ -104,6 +125,9 @@ def _write_kv_kernel(
     v = tl.load(v_ptrs, mask=mask_v)
     kc = key_cache_ptr + block_id * stride_kc_b + block_off * stride_kc_s + offs_h64 * stride_kc_h
     vc = value_cache_ptr + block_id * stride_vc_b + block_off * stride_vc_s + offs_h64 * stride_vc_h
+    if FP8_MAX > 0:
+        k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
     tl.store(kc + offs_d[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc + offs_dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask_v)
 
@@ -126,6 +150,12 @@ def check_kv_cache_pair(
             f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
             f"{tuple(key_cache.shape)}" + ("" if same_head_dim else " in blocks or heads")
         )
+
+
+def check_kv_scales(k_scale: float, v_scale: float) -> None:
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (isinstance(x, (int, float)) and 0.0 < x < float("inf")):
+            raise ValueError(f"{name} must be a positive finite float, got {x!r}")
 
 
 def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -152,14 +182,17 @@ def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> No
         )
     if slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache's {key_cache.dtype}")
     for name, t in (
         ("key", key),
         ("value", value),
         ("key_cache", key_cache),
         ("value_cache", value_cache),
     ):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype must be float32/float16/bfloat16, got {t.dtype}")
+        allowed = _CACHE_DTYPES if name.endswith("cache") else _FLOAT_DTYPES
+        if t.dtype not in allowed:
+            raise ValueError(f"{name} dtype must be one of {allowed}, got {t.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim (stride(-1) == 1)")
         if t.device != key.device:
@@ -175,6 +208,8 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
     slot_mapping: torch.Tensor,  # int64 [T]; -1 = padding, write nothing
+    k_scale: float = 1.0,  # FP8 caches: stored = key / k_scale (saturated)
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of `write_kv_ref`: scatter each token's K/V rows into its cache slot.
 
@@ -183,6 +218,7 @@ def write_kv(
     (that would need a host sync): the engine guarantees slot < num_blocks * block_size.
     """
     _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping)
+    check_kv_scales(k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -190,6 +226,15 @@ def write_kv(
         # Triton's interpreter truncates float32 -> bf16 (the GPU rounds to nearest even): cast
         # on the host there so CPU CI checks the GPU's bits.
         key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    fp8_max = FP8_MAX.get(key_cache.dtype, 0.0)
+    if interpreting() and fp8_max:
+        # Triton's interpreter rounds float -> float8 wrongly (no carry into the exponent,
+        # ties away from even): quantise on the host there, as the GPU rounds, and let the
+        # kernel copy the bytes. The kernel's own scaling runs on the GPU (tests marked gpu).
+        key = quantize_ref(key, key_cache.dtype, k_scale)
+        value = quantize_ref(value, value_cache.dtype, v_scale)
+        k_scale = v_scale = 1.0
+        fp8_max = 0.0
     head_dim_pad = triton.next_power_of_2(head_dim)
     head_dim_v = value.shape[2]
     # ~4K elements per program: one or a few 16-byte vectors per thread, enough bytes in flight.
@@ -219,5 +264,8 @@ def write_kv(
         BLOCK_H=block_h,
         HEAD_DIM_V=head_dim_v,
         HEAD_DIM_V_PAD=triton.next_power_of_2(head_dim_v),
+        k_inv_scale=1.0 / k_scale,
+        v_inv_scale=1.0 / v_scale,
+        FP8_MAX=fp8_max,
         num_warps=4,
     )

@@ -38,7 +38,7 @@ import triton
 from hf_paged.worker.forward_context import AttentionMetadata
 
 from .attention_config import AttentionConfig, choose_num_kv_splits, decode_config, prefill_config
-from .kv_write import check_kv_cache_pair, check_launchable
+from .kv_write import FP8_MAX, check_kv_cache_pair, check_kv_scales, check_launchable
 from .paged_attention_kernel import _paged_attention_kernel
 from .split_kv_reduce import _reduce_splits, _split_workspace
 
@@ -57,6 +57,8 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]: a per-head logit in the softmax denominator
+    k_scale: float = 1.0,  # FP8 caches: a key is k_scale * its stored value
+    v_scale: float = 1.0,
     alibi_slopes: torch.Tensor | None = None,  # [Hq]: ALiBi, slope * (key pos - query pos)
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Pure-torch reference (and the CPU backend). One sequence at a time, softmax in float32.
@@ -88,8 +90,8 @@ def paged_attention_ref(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_table[i, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:seq_len].float()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float() * k_scale
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:seq_len].float() * v_scale
         q = query[start:end].float()
         # [Hkv, G, q_len, D] x [Hkv, D, seq_len] -> [Hkv, G, q_len, seq_len]
         q = q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -162,8 +164,12 @@ def _check_attention_args(query, key_cache, value_cache, meta, out) -> None:
     if query.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"query dtype must be float32/float16/bfloat16, got {query.dtype}")
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+        if t.dtype != query.dtype and t.dtype not in FP8_MAX:
+            raise ValueError(
+                f"{name} dtype {t.dtype} != query dtype {query.dtype} (and not an FP8 cache)"
+            )
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache's {key_cache.dtype}")
     tensors = [("query", query), ("key_cache", key_cache), ("value_cache", value_cache)]
     if out is not None:
         if tuple(out.shape) != (num_tokens, num_q_heads, head_dim_v):
@@ -227,6 +233,8 @@ def paged_attention(
     num_kv_splits: int | None = None,
     config: AttentionConfig | None = None,
     pdl: bool = False,
+    k_scale: float = 1.0,  # FP8 caches: a key is k_scale * its stored value
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Triton paged attention; same semantics as `paged_attention_ref`.
 
@@ -242,7 +250,12 @@ def paged_attention(
     kernel after this one may be scheduled (and prefetch its weights) while attention runs.
     """
     _check_attention_args(query, key_cache, value_cache, meta, out)
+    check_kv_scales(k_scale, v_scale)
     sinks = sinks_for_kernel(sinks, query)
+    # FP8 caches are dequantised inside the kernel: loaded K/V rows are cast to the query's
+    # dtype, k_scale joins the softmax scale (q.(s k) = s (q.k), before any softcap) and
+    # v_scale the final normalisation (sum_j p_j s v_j = s sum_j p_j v_j).
+    scale = (float(scale) * k_scale, float(v_scale))
     alibi = sinks_for_kernel(alibi_slopes, query, "alibi_slopes")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, head_dim_v = key_cache.shape[2], value_cache.shape[3]
@@ -419,7 +432,8 @@ def _shared_launch_args(
 ):  # fmt: skip
     """What both attention kernels (paged_attention_kernel's, decode_attention's) take alike: the
     positional run from the sinks pointer to the workspace strides, then the shared constexprs
-    and launch options."""
+    and launch options. scale: the softmax scale, or (softmax scale with k_scale folded in,
+    v_scale) for an FP8 cache."""
     head_dim, head_dim_v = query.shape[2], value_cache.shape[3]
     sliding = sliding_window is not None and sliding_window > 0
     capped = softcap is not None and softcap > 0
@@ -427,9 +441,11 @@ def _shared_launch_args(
     # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits: upcast there
     # (after the same bf16 rounding of P), so CPU CI checks the arithmetic the GPU does.
     upcast = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+    scale, out_scale = scale if isinstance(scale, tuple) else (float(scale), 1.0)
     args = (
         query if sinks is None else sinks,  # any pointer when SINKS is off: never read
         float(scale),
+        float(out_scale),
         float(softcap) if capped else 1.0,
         int(sliding_window) if sliding else 0,
         query.stride(0),

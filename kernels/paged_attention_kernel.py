@@ -70,6 +70,7 @@ def _attend_kv_tile(
     HEAD_DIM_V_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,  # the query's dtype: FP8 K/V rows are cast to it
     slopes=0.0,  # f32 [BLOCK_M] ALiBi slopes in log2 units (ALIBI only)
     ALIBI: tl.constexpr = False,
 ):
@@ -88,6 +89,8 @@ def _attend_kv_tile(
     k_ptrs = k_head_ptr + k_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
     v_ptrs = v_head_ptr + v_off[:, None] + offs_dv[None, :]  # [BLOCK_N, HEAD_DIM_V_PAD]
     k = _load_kv_rows(k_ptrs, k_valid, offs_d, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    if k.dtype.is_fp8():  # an FP8 cache: the scales are applied by the caller (see paged_attention)
+        k = k.to(COMPUTE_DTYPE)
     if MASKED:
         keep = k_idx[None, :] <= q_pos[:, None]
         if SLIDING:
@@ -103,6 +106,8 @@ def _attend_kv_tile(
         bias, ALIBI,
     )  # fmt: skip
     v = _load_kv_rows(v_ptrs, k_valid, offs_dv, MASKED, HEAD_DIM_V, HEAD_DIM_V_PAD)
+    if v.dtype.is_fp8():
+        v = v.to(COMPUTE_DTYPE)
     return _accumulate_pv(acc, p, v, DOT_PRECISION, DOT_UPCAST), l_i, m_new
 
 
@@ -152,6 +157,7 @@ def _paged_attention_kernel(
     num_splits,
     sinks_ptr,  # f32 [Hq] attention sinks (SINKS only)
     scale,
+    out_scale,  # FP8 caches: v_scale (1.0 otherwise)
     softcap,
     sliding_window,
     stride_q_t,
@@ -328,6 +334,7 @@ def _paged_attention_kernel(
                 HEAD_DIM_V_PAD,
                 DOT_PRECISION,
                 DOT_UPCAST,
+                out_ptr.dtype.element_ty,
                 slopes,
                 ALIBI,
             )
@@ -363,6 +370,7 @@ def _paged_attention_kernel(
             HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
+            out_ptr.dtype.element_ty,
             slopes,
             ALIBI,
         )
@@ -398,13 +406,14 @@ def _paged_attention_kernel(
             HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
+            out_ptr.dtype.element_ty,
             slopes,
             ALIBI,
         )
 
     # Rows with l == 0 are padding rows (never stored) or empty splits (weight 0 in the reduce).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc * (out_scale / l_safe)[:, None]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
         wo_ptrs = (

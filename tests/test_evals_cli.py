@@ -35,6 +35,7 @@ models = importlib.import_module("hf_paged_evals.models")
         (["accuracy", "--dataset", "TMP/bad.jsonl"], "as JSON lines"),
         (["accuracy", "--dataset", "TMP/cols.jsonl"], "needs a prompt, text or input/choices"),
         (["accuracy", "--backend", "vllm"], "accuracy backend 'vllm'"),
+        (["quant-accuracy", "--modes", "int4"], "unknown mode 'int4'"),
     ],
 )
 def test_bad_input_is_one_error_line(argv, message, capsys, tmp_path):
@@ -75,7 +76,7 @@ def test_script_entry_point_error_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         (
             "error: unknown dataset 'nope' for throughput: use one of synthetic, sharegpt, "
-            "shared-prefix, batch1 or a workload .json file"
+            "shared-prefix, batch1, long-decode or a workload .json file"
         )
     ]
 
@@ -170,3 +171,11 @@ def test_engine_speed_options_default_on_and_can_be_turned_off(tmp_path):
         "default": (True, True, "off (attention backend 'torch', not 'triton')"),
         "off": (False, False, "off (small_batch_rows=0)"),
     }
+
+
+def test_long_decode_workload():
+    wl = workloads.build_workload("long-decode", 1000, None, 8192)
+    assert len(wl.requests) == 256
+    assert {len(r.prompt_token_ids) for r in wl.requests} == {4096}
+    assert {r.max_new_tokens for r in wl.requests} == {512}
+    assert all(0 <= t < 1000 for r in wl.requests for t in r.prompt_token_ids)

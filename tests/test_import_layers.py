@@ -2,10 +2,11 @@
 subpackages are layered and a module imports only its own layer or lower ones, at module level
 or inside a function. Layers, low to high:
 
-    base (config, envs, sampling_params, gc_freeze)
+    base (config, envs, sampling_params, gc_freeze, structured_output/constraint.py)
     < core
-    < sample, worker, kernels, integrations, lora, spec_decode (one layer: they may import each
-      other; the sampler imports nothing from core, the runner only core/outputs.py)
+    < sample, worker, kernels, integrations, lora, spec_decode, structured_output, quantization
+      (one layer: they may import each other; the sampler imports nothing from core, the runner
+      only core/outputs.py)
     < engine
     < generation
     < entrypoints (the HTTP server)
@@ -52,6 +53,10 @@ LAYERS = {  # longest prefix wins
     "hf_paged.integrations": WORKER,
     "hf_paged.lora": WORKER,
     "hf_paged.spec_decode": WORKER,
+    "hf_paged.structured_output": WORKER,
+    # a request's constraint is part of its SamplingParams; it imports nothing of hf_paged
+    "hf_paged.structured_output.constraint": BASE,
+    "hf_paged.quantization": WORKER,
     "hf_paged.engine": ENGINE,
     "hf_paged.generation": GENERATION,
     "hf_paged.entrypoints": ENTRYPOINTS,

@@ -143,9 +143,23 @@ def test_swapped_cores_are_put_back_and_named_layers_removed():
     assert not any(hasattr(m, "layer_idx") or "_attn" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("name", ["falcon", "falcon-alibi", "falcon-new-arch"])
+def test_falcon_split_is_transformers_split_without_list_indexing(name):
+    """The adapter's head split (slices, capturable in a CUDA graph) equals Falcon's own
+    _split_heads (list indices) in values and shapes, for its three layouts."""
+    from hf_paged.integrations.attention_forwards import _falcon_split
+
+    attn = _build(name).transformer.h[0].self_attention
+    fused = torch.randn(2, 5, attn.query_key_value.out_features)
+    for ours, theirs in zip(_falcon_split(attn, fused), attn._split_heads(fused), strict=True):
+        assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["bloom", "falcon-alibi", "mpt", "gpt_neo", "falcon"])
+@pytest.mark.parametrize(
+    "name", ["bloom", "falcon-alibi", "mpt", "gpt_neo", "falcon", "falcon-new-arch"]
+)
 def test_swapped_families_on_the_gpu_with_graphs_and_compile(name, batch_factory):
     """The Triton kernels (ALiBi among them), CUDA graphs and torch.compile on the swapped
     modules: float32, greedy, against transformers on the same GPU."""

@@ -284,7 +284,9 @@ def test_switching_attention_under_a_live_engine_fails_loudly(tiny_model):
     engine = Engine(model)
     engine.add_request(_prompt(5), SamplingParams(max_tokens=4))
     model.set_attn_implementation("sdpa")
-    with pytest.raises(RuntimeError, match="attention implementation was switched to 'sdpa'"):
+    with pytest.raises(
+        RuntimeError, match="attention switched to 'sdpa' while this Engine is live"
+    ):
         engine.step()
     model.set_attn_implementation("hf_paged")
     while engine.has_unfinished_requests():

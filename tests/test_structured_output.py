@@ -75,6 +75,18 @@ def pydantic_model():
     return Item
 
 
+def _run_to_end(eng):
+    """Step until every request ends, checking the engine's invariants after each step; returns
+    each request's final output by id."""
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        eng.check_invariants()
+    return finals
+
+
 def test_every_constraint_kind(model, tok):
     eng = make_engine(model, tok)
     item = pydantic_model()
@@ -161,12 +173,7 @@ def test_compile_failure_ends_that_request_alone(model, tok, monkeypatch):
     bad = eng.add_request("a", constrained(regex="qq"))
     good = eng.add_request("b", SamplingParams(max_tokens=5, temperature=0))
     also = eng.add_request("c", constrained(regex="[ab]{3}"))
-    finals = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finals[out.request_id] = out
-        eng.check_invariants()
+    finals = _run_to_end(eng)
     assert finals[bad].finish_reason == "error"
     assert isinstance(finals[bad].error, ValueError)
     assert "structured.regex" in str(finals[bad].error)
@@ -250,12 +257,7 @@ def test_all_tokens_masked_fails_that_request_alone(model, tok, async_scheduling
     bad = eng.add_request("a", constrained(grammar='root ::= "x" "="', temperature=0))
     good = eng.add_request("b", SamplingParams(max_tokens=6, temperature=0))
     also = eng.add_request("c", constrained(regex="[ab]{3}"))
-    finals = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finals[out.request_id] = out
-        eng.check_invariants()
+    finals = _run_to_end(eng)
     assert finals[bad].finish_reason == "error"
     assert "every allowed token was masked" in str(finals[bad].error)
     assert len(finals[good].output_token_ids) == 6

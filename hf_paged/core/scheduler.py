@@ -13,10 +13,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED
-from concurrent.futures import wait as wait_futures
 
 from hf_paged.config import EngineConfig
+from hf_paged.core.compiling_requests import CompilingRequests
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from hf_paged.core.request import Request, RequestStatus
@@ -107,9 +106,7 @@ class Scheduler:
         self.requests = RequestTable()
         self.num_preemptions = 0
         self.released_req_ids: list[str] = []  # see take_released_req_ids
-        # structured output: requests added before their grammar compiled (they wait, skipped
-        # by the waiting loop, until it is ready; end_failed_grammars ends those that fail)
-        self.compiling: list[Request] = []
+        self.compiling = CompilingRequests()  # structured output: grammars not compiled yet
         # speculative decoding with a draft model: slots each step reserves past its tokens
         self.num_lookahead_tokens = (
             config.num_speculative_tokens if config.draft_model is not None else 0
@@ -127,29 +124,7 @@ class Scheduler:
                 self.requests[sibling.request_id] = sibling
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        if request.grammar is not None and not request.grammar.ready:
-            self.compiling.append(request)
-
-    def end_failed_grammars(self) -> list[Request]:
-        """Requests whose grammar failed to compile end alone (FINISHED_ERROR, the ValueError
-        naming the field on request.error); returns them (with siblings)."""
-        if not self.compiling:
-            return []
-        done = [r for r in self.compiling if r.status.finished or r.grammar.future.done()]
-        if not done:
-            return []
-        self.compiling = [r for r in self.compiling if r not in done]
-        failed = [r for r in done if not r.status.finished and r.grammar.failed]
-        for r in failed:
-            r.error = r.grammar.error
-        return self.end_requests(failed, RequestStatus.FINISHED_ERROR) if failed else []
-
-    def wait_for_grammars(self, timeout: float = 0.05) -> None:
-        """Nothing could be scheduled: block until a grammar compiles (or the timeout), so the
-        engine's loop does not spin while only compiling requests wait."""
-        pending = [r.grammar.future for r in self.compiling if not r.status.finished]
-        if pending:
-            wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        self.compiling.add(request)
 
     def abort_request(self, request_id: str) -> list[Request]:
         """End a live request (running, waiting, or a sibling not forked yet) as aborted.

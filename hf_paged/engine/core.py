@@ -71,8 +71,11 @@ class EngineCore:
         else:
             spec.policy.k_next = 0
             self._last_step_end = None  # no stale start for the next measured step
-        # structured output: a request whose grammar failed to compile ends alone, reported now
-        failed = self.scheduler.end_failed_grammars()
+        # structured output: a request whose grammar failed to compile ends alone (with its
+        # siblings, FINISHED_ERROR), reported now
+        failed = self.scheduler.compiling.take_failed()
+        if failed:
+            failed = self.scheduler.end_requests(failed, RequestStatus.FINISHED_ERROR)
         if self.config.async_scheduling:
             outputs = self._step_async()
         else:
@@ -138,7 +141,7 @@ class EngineCore:
         """Nothing was scheduled: fine while grammars compile (wait a little for one), a bug
         otherwise."""
         if self.scheduler.compiling:
-            self.scheduler.wait_for_grammars()
+            self.scheduler.compiling.wait()  # only compiling requests wait: no spinning
         elif self.scheduler.has_unfinished_requests():
             raise RuntimeError("scheduler made no progress with requests pending")
 

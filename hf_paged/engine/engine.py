@@ -25,6 +25,7 @@ from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import frozen_heap
 from hf_paged.integrations.fused_projections import fuse_projections
 from hf_paged.lora import routing as lora
+from hf_paged.quantization.fp8_weights import check_quantizable, quantize_model
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
 
@@ -72,7 +73,7 @@ class Engine:
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         # before compile and graph capture see the model; put back by the last Engine on it
-        self.num_fused_projections = fuse_projections(model) if config.fuse_projections else 0
+        self.num_fused_projections = _fuse_and_quantize(model, config)
         self._lease.fused |= self.num_fused_projections > 0
         self.core = core = EngineCore(model, config, routing, self.tokenizer)
         # the core's parts, for introspection (stats, tests, benchmarks)
@@ -109,12 +110,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("Engine: shut down (shutdown() or unpatch); build a new Engine")
-        adapted = self._lease is not None and self._lease.adapted  # no implementation switched
+        adapted = self._lease is not None and self._lease.adapted  # attention swapped, not set
         if not adapted and self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError(
-                "model: its attention implementation was switched to "
-                f"{self.model.config._attn_implementation!r} while this Engine is live; the "
-                "Engine needs 'hf_paged' (shut the Engine down before switching)"
+                f"model: attention switched to {self.model.config._attn_implementation!r} while "
+                "this Engine is live; it needs 'hf_paged' (shut the Engine down first)"
             )
 
     # -- requests --------------------------------------------------------------------------------
@@ -337,18 +337,27 @@ class Engine:
             assert self._streams.request_ids() <= waited, "a stream waits for nobody"
 
     def shutdown(self) -> None:
-        """Release the KV cache and CUDA graphs now (unpatch calls this), rather than whenever the
-        garbage collector breaks the runner's reference cycles, and give up the model: the last
-        Engine on it switches its attention back and puts fused projections back. The engine
-        cannot step after (step() raises)."""
+        """Release the KV cache and CUDA graphs now (unpatch calls this), not when the garbage
+        collector gets to them, and give up the model (the last Engine on it restores its
+        attention and projections). step() raises after."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self.runner.shutdown()
-            if self.inputs.grammars is not None:
-                self.inputs.grammars.shutdown()
+            self.inputs.shutdown()  # its grammar compiler's thread
             self._release_model()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _fuse_and_quantize(model: torch.nn.Module, config: EngineConfig) -> int:
+    """Fused projections, then FP8 weights (the fused matrices quantised as one); a model that
+    cannot be quantised is refused before it is touched. Returns the fused groups."""
+    if config.quantization is not None:
+        check_quantizable(model, config.quantization)
+    fused = fuse_projections(model) if config.fuse_projections else 0
+    if config.quantization is not None:
+        quantize_model(model, config.quantization)
+    return fused

@@ -184,6 +184,11 @@ class InputProcessor:
                 self.grammars = GrammarService(self.tokenizer, self.vocab_size)
         return self.grammars.submit(params.structured)
 
+    def shutdown(self) -> None:
+        """Stop the grammar compiler's worker thread, if one was started."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
+
     def _check_lora(self, params: SamplingParams) -> None:
         name = params.adapter
         if name is None:

@@ -171,11 +171,10 @@ class DraftProposer:
 
 def draft_bytes_per_block(draft: torch.nn.Module, config: EngineConfig) -> int:
     """KV bytes of one block of the draft's cache (the target's sizing reserves them)."""
+    from hf_paged.quantization.kv_cache import kv_cache_torch_dtype
     from hf_paged.worker.startup import KVCacheSpec
 
-    dtype = next(draft.parameters()).dtype
-    if config.kv_cache_dtype != "auto":
-        dtype = getattr(torch, config.kv_cache_dtype)
+    dtype = kv_cache_torch_dtype(config.kv_cache_dtype, next(draft.parameters()).dtype)
     return KVCacheSpec(draft, config.block_size, dtype).bytes_per_block
 
 

@@ -27,7 +27,10 @@ class AttentionBackend:
     name = "base"
     graph_safe = False  # no host syncs or host-dependent control flow: CUDA-graph capturable
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0
+    ) -> None:
+        """k_scale, v_scale: FP8 caches store key / k_scale (hf_paged/quantization/kv_cache.py)."""
         raise NotImplementedError
 
     def paged_attention(
@@ -41,6 +44,8 @@ class AttentionBackend:
         softcap: float | None,
         pdl: bool = False,  # programmatic dependent launch (Triton on Hopper); others ignore it
         sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss's s_aux)
+        k_scale: float = 1.0,  # FP8 caches: a key is k_scale * its stored value
+        v_scale: float = 1.0,
         alibi_slopes: torch.Tensor | None = None,  # [Hq] ALiBi slopes (Bloom, MPT, Falcon)
     ) -> torch.Tensor:
         raise NotImplementedError
@@ -52,10 +57,12 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     # loops over sequences with host ints: not CUDA-graph capturable (graph_safe stays False)
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0
+    ) -> None:
         from hf_paged.kernels import write_kv_ref
 
-        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def paged_attention(
         self,
@@ -68,12 +75,15 @@ class TorchBackend(AttentionBackend):
         softcap,
         pdl=False,
         sinks=None,
+        k_scale=1.0,
+        v_scale=1.0,
         alibi_slopes=None,
     ):
         from hf_paged.kernels import paged_attention_ref
 
         return paged_attention_ref(
             query, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks,
+            k_scale, v_scale,
             alibi_slopes,
         )  # fmt: skip
 
@@ -91,8 +101,10 @@ class TritonBackend(AttentionBackend):
             raise ValueError("attention_backend='triton': the Triton kernels are not available")
         self._kernels = kernels
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        self._kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0
+    ) -> None:
+        self._kernels.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def paged_attention(
         self,
@@ -105,6 +117,8 @@ class TritonBackend(AttentionBackend):
         softcap,
         pdl=False,
         sinks=None,
+        k_scale=1.0,
+        v_scale=1.0,
         alibi_slopes=None,
     ):
         return self._kernels.paged_attention(
@@ -118,6 +132,8 @@ class TritonBackend(AttentionBackend):
             sinks=sinks,
             alibi_slopes=alibi_slopes,
             pdl=pdl,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -318,7 +334,9 @@ def _paged_attention(
             "the start-up probe saw"
         )
     backend = ctx.backend
-    backend.write_kv(k, v, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
+    k_scale, v_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
+    slots = ctx.attn_metadata.slot_mapping
+    backend.write_kv(k, v, key_cache, value_cache, slots, k_scale, v_scale)
     out = backend.paged_attention(
         q,
         key_cache,
@@ -328,6 +346,8 @@ def _paged_attention(
         sliding_window or None,
         softcap or None,
         sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
         alibi_slopes=alibi,
     )
     return out.contiguous()

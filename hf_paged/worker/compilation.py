@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from hf_paged.worker.attention import register_layer_indices, remove_layer_indices
-from hf_paged.worker.moe_experts import experts_outside_compile
+from hf_paged.worker.graph_blockers import eager_inside_compile
 
 SCOPES = ("model", "layers")
 
@@ -44,7 +44,7 @@ def compile_model(model: torch.nn.Module, scope: str) -> tuple[Callable, Callabl
     """Returns (the callable to run the model with, a function that undoes the compilation)."""
     if scope not in SCOPES:
         raise ValueError(f"compile_scope must be one of {SCOPES}, got {scope!r}")
-    restore_experts = experts_outside_compile(model)
+    restore_experts = eager_inside_compile(model)
     if scope == "model":
         return torch.compile(model, dynamic=True, fullgraph=False), restore_experts
     layers = decoder_layers(model)

@@ -163,7 +163,9 @@ class CudaGraphRunner:
                 max_seq_len=self.max_model_len,
                 min_query_len=None,  # so the decode-shaped launch always runs
             )
-        ctx = ForwardContext(meta, self.runner.kv_caches, self.runner.backend)
+        ctx = ForwardContext(
+            meta, self.runner.kv_caches, self.runner.backend, kv_scales=self.runner.kv_scales
+        )
         if self.runner.lora:  # LoRA: each token's adapter slot, grouped by slot in the graph
             from hf_paged.kernels.lora import lora_segments
             from hf_paged.lora.batch import LoraBatch

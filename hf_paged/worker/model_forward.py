@@ -46,6 +46,10 @@ class ModelForward:
             reason = "small_batch_rows=0"
         elif backend_name != "triton":
             reason = f"attention backend {backend_name!r}, not 'triton'"
+        elif config.kv_cache_dtype.startswith("fp8"):  # its fused RoPE + KV write is not FP8
+            reason = f"kv_cache_dtype {config.kv_cache_dtype!r}"
+        elif config.quantization is not None:  # its GEMVs read bf16/fp16 weights
+            reason = f"quantization={config.quantization!r}"
         else:
             reason = unsupported_reason(model)
         if reason is not None:

@@ -18,15 +18,16 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.core.outputs import ModelRunnerOutput, ScheduledBatch
+from hf_paged.quantization.kv_cache import kv_cache_scales, kv_cache_torch_dtype
 from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.forward_context import ForwardContext, forward_context
+from hf_paged.worker.graph_blockers import graph_blocker
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
 from hf_paged.worker.model_forward import ModelForward
-from hf_paged.worker.moe_experts import graph_blocker
 from hf_paged.worker.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
 from hf_paged.worker.step_inputs import (
     KeptRows,
@@ -56,14 +57,13 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         model_dtype = getattr(model, "dtype", param.dtype)
-        if config.kv_cache_dtype == "auto":
-            kv_dtype = model_dtype
-        else:
-            kv_dtype = getattr(torch, config.kv_cache_dtype, None)
-            if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
-                raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not a float dtype")
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model_dtype)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec(model, config.block_size, kv_dtype)
+        # FP8 caches: (k_scale, v_scale) per layer, fixed from here on (CUDA graphs bake them)
+        self.kv_scales = kv_cache_scales(
+            model, self.kv_spec.num_layers, kv_dtype, config.kv_cache_scale
+        )
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
@@ -297,7 +297,7 @@ class ModelRunner:
         ids_t = device_input_ids(step, dev, self.last_tokens)
         pos_t = to_device(step.positions, dev)
         keep_t = to_device(kept.keep, dev)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, kv_scales=self.kv_scales)
         if self.lora:
             ctx.lora_groups = lora_groups(step, self.input_batch, dev)
         with forward_context(ctx):
@@ -318,9 +318,11 @@ class ModelRunner:
         """Copy-on-write of forked blocks: KV of block src -> block dst, every layer."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        for caches in self.kv_caches:
+            for cache in caches:
+                if cache.element_size() == 1:  # FP8: index_copy_ has no float8 kernels
+                    cache = cache.view(torch.uint8)
+                cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def _host_buffer(self, n: int) -> torch.Tensor:
         """Pinned landing buffers for sampled tokens, alternating: step n+1's copy must not

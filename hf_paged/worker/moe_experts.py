@@ -11,8 +11,6 @@ graphs for the model, saying why."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
@@ -31,21 +29,9 @@ def uncapturable_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def experts_outside_compile(model: torch.nn.Module) -> Callable[[], None]:
-    """Run uncapturable_experts() eagerly inside a compiled model; returns the undo."""
-    eager = uncapturable_experts(model)
-    for module in eager:
-        module.forward = torch.compiler.disable(module.forward)
-
-    def undo() -> None:
-        for module in eager:
-            del module.forward  # the instance attribute: the class's forward again
-
-    return undo
-
-
 def graph_blocker(model: torch.nn.Module) -> str | None:
-    """Why the model's forward cannot be captured in a CUDA graph, or None."""
+    """Why the model's experts cannot be captured in a CUDA graph, or None (collected with the
+    other parts in hf_paged/worker/graph_blockers.py)."""
     experts = uncapturable_experts(model)
     if not experts:
         return None

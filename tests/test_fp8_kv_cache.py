@@ -1,0 +1,177 @@
+"""FP8 KV cache end to end (kv_cache_dtype="fp8_e4m3"/"fp8_e5m2"): greedy output identical to
+transformers' generate whose attention sees K/V rounded as the cache stores them
+(hf_paged/quantization/kv_reference.py), through prefix caching, preemption and forks; the
+KV budget holds more tokens; bad options refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.quantization.kv_cache import FP8_KV_CACHE_DTYPES, HEADROOM
+from hf_paged.quantization.kv_reference import fake_quantized_kv
+
+LENGTHS = [1, 7, 16, 33, 64, 90]
+
+
+def paged_and_reference(model, ids, mask, options, **gen):
+    """(engine output, its kv scales, transformers' output over the same FP8-rounded K/V)."""
+    hf_paged.patch(model, **options)
+    try:
+        engine = hf_paged.get_engine(model)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **gen)
+        engine.check_invariants()
+        scales, dtype = engine.runner.kv_scales, engine.runner.kv_spec.dtype
+        stats = engine.stats()
+    finally:
+        hf_paged.unpatch(model)
+    with fake_quantized_kv(model, dtype, scales):
+        ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **gen)
+    return out, ref, scales, stats
+
+
+@pytest.mark.parametrize("kv", list(FP8_KV_CACHE_DTYPES))
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3", "gpt_neox"])
+def test_greedy_parity_against_fp8_rounded_reference(arch, kv, tiny_model, batch_factory):
+    model = tiny_model(arch)
+    ids, mask = batch_factory(LENGTHS)
+    out, ref, scales, _ = paged_and_reference(
+        model, ids, mask, {"kv_cache_dtype": kv}, max_new_tokens=24
+    )
+    assert torch.equal(out, ref)
+    assert len(scales) == model.config.num_hidden_layers
+    assert all(0 < s < float("inf") for pair in scales for s in pair)
+    # the rounding is real: plain transformers differs somewhere for e5m2's 2-bit mantissa
+    if kv == "fp8_e5m2" and arch == "llama":
+        plain = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24
+        )
+        assert not torch.equal(plain, out)
+
+
+def test_calibrated_scales_cover_the_calibration_activations(tiny_model):
+    # the largest |K| seen maps to 1 / HEADROOM of the format's range
+    from hf_paged.kernels.kv_write import FP8_MAX
+
+    from hf_paged.quantization.kv_cache import _calibrate
+
+    model = tiny_model("llama")
+    eng = hf_paged.Engine(model, kv_cache_dtype="fp8_e4m3")
+    try:
+        scales = eng.runner.kv_scales
+    finally:
+        eng.shutdown()
+    amax = _calibrate(model)
+    fmax = FP8_MAX[torch.float8_e4m3fn]
+    for layer, (k_scale, v_scale) in enumerate(scales):
+        assert k_scale == pytest.approx(HEADROOM * amax[layer][0] / fmax)
+        assert v_scale == pytest.approx(HEADROOM * amax[layer][1] / fmax)
+
+
+def test_given_scale_used_for_every_layer(tiny_model, batch_factory):
+    model = tiny_model("llama")
+    ids, mask = batch_factory([5, 20])
+    options = {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale": 0.05}
+    out, ref, scales, _ = paged_and_reference(model, ids, mask, options, max_new_tokens=12)
+    assert scales == [(0.05, 0.05)] * model.config.num_hidden_layers
+    assert torch.equal(out, ref)
+
+
+def test_triton_kernels_fp8_parity(tiny_model, batch_factory):
+    # the Triton write/attention kernels (interpreted on CPU) over an FP8 cache
+    model = tiny_model("llama")
+    ids, mask = batch_factory([3, 18])
+    options = {"kv_cache_dtype": "fp8_e4m3", "attention_backend": "triton"}
+    out, ref, _, _ = paged_and_reference(model, ids, mask, options, max_new_tokens=6)
+    assert torch.equal(out, ref)
+
+
+def test_prefix_caching_and_preemption_unchanged(tiny_model, batch_factory):
+    # a shared prefix (cache hits) and a cache too small for every sequence (preemption)
+    model = tiny_model("llama")
+    ids, mask = batch_factory([40, 40, 40, 12], seed=3)
+    ids[1:3, 8:40] = ids[0, 8:40]  # same first 32 prompt tokens (left-padded to 40)
+    options = {"kv_cache_dtype": "fp8_e4m3", "num_blocks": 12, "block_size": 8}
+    out, ref, _, stats = paged_and_reference(model, ids, mask, options, max_new_tokens=30)
+    assert torch.equal(out, ref)
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+
+
+def test_forked_blocks_copied_bytewise(tiny_model):
+    model = tiny_model("llama")
+    eng = hf_paged.Engine(model, kv_cache_dtype="fp8_e5m2", num_blocks=8)
+    try:
+        k_cache, v_cache = eng.runner.kv_caches[0]
+        k_cache[2] = torch.randn(k_cache.shape[1:]).to(k_cache.dtype)
+        v_cache[2] = torch.randn(v_cache.shape[1:]).to(v_cache.dtype)
+        eng.runner.copy_blocks([(2, 5)])
+        assert torch.equal(k_cache[5].view(torch.uint8), k_cache[2].view(torch.uint8))
+        assert torch.equal(v_cache[5].view(torch.uint8), v_cache[2].view(torch.uint8))
+    finally:
+        eng.shutdown()
+
+
+def test_kv_budget_holds_more_tokens(tiny_model):
+    from hf_paged.worker.startup import KVCacheSpec
+
+    model = tiny_model("llama")
+    budget = {"cpu_kv_cache_bytes": 64 * 1024}
+    sizes = {}
+    for kv in ("auto", "fp8_e4m3"):
+        eng = hf_paged.Engine(model, kv_cache_dtype=kv, **budget)
+        sizes[kv] = eng.runner.num_blocks
+        assert eng.runner.kv_caches[0][0].element_size() == (4 if kv == "auto" else 1)
+        eng.shutdown()
+    assert sizes["fp8_e4m3"] == 4 * sizes["auto"]  # float32 model: 4 bytes -> 1
+    bf16 = KVCacheSpec(model, 16, torch.bfloat16).bytes_per_block
+    fp8 = KVCacheSpec(model, 16, torch.float8_e4m3fn).bytes_per_block
+    assert bf16 == 2 * fp8  # the usual case: twice the tokens at the same memory
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"kv_cache_dtype": "float8_e4m3fn"}, "kv_cache_dtype must be one of"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
+        ({"kv_cache_scale": 0.1}, "kv_cache_scale applies to an FP8 KV cache only"),
+        ({"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale": -1.0}, "kv_cache_scale must be"),
+        ({"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale": float("nan")}, "kv_cache_scale must"),
+        ({"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale": "1"}, "kv_cache_scale must be"),
+    ],
+)
+def test_bad_fp8_options_refused(options, match, tiny_model):
+    with pytest.raises(ValueError, match=match):
+        hf_paged.Engine(tiny_model("llama"), **options)
+
+
+def test_small_batch_forward_off_with_fp8_cache(tiny_model):
+    eng = hf_paged.Engine(
+        tiny_model("llama"), kv_cache_dtype="fp8_e4m3", attention_backend="triton"
+    )
+    try:
+        assert eng.runner.forward.small_batch is None
+        assert "fp8_e4m3" in eng.runner.forward.small_batch_status
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_kv_on_gpu_graphs_parity_and_twice_the_blocks(tiny_model, batch_factory):
+    # Triton kernels compiled, CUDA graphs and compile on (the defaults), float32 compute for
+    # exact parity; then a bf16 model: twice the blocks in the same gpu_memory_utilization
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in batch_factory(LENGTHS))
+    out, ref, _, _ = paged_and_reference(
+        model, ids, mask, {"kv_cache_dtype": "fp8_e4m3"}, max_new_tokens=24
+    )
+    assert torch.equal(out, ref)
+    bf16 = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    blocks = {}
+    for kv in ("auto", "fp8_e4m3"):
+        eng = hf_paged.Engine(bf16, kv_cache_dtype=kv, gpu_memory_utilization=0.3, compile=False)
+        blocks[kv] = eng.runner.num_blocks
+        eng.shutdown()
+    assert 1.95 <= blocks["fp8_e4m3"] / blocks["auto"] <= 2.05, blocks

@@ -1,0 +1,212 @@
+"""FP8 weights (quantization="fp8"): the FP8 GEMV kernel against its torch reference, the
+per-channel quantisation, greedy output identical to transformers' generate of the same model
+with its linear weights replaced by their dequantised FP8 values, fused projections, refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_paged.kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref
+from torch import nn
+
+import hf_paged
+from hf_paged.quantization.fp8_weights import (
+    FP8_MAX,
+    Fp8Linear,
+    fp8_linear,
+    quantize_weight,
+)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def dequantised_copy(model: nn.Module) -> nn.Module:
+    """The model with every linear weight but lm_head rounded through FP8 (per-row scales)."""
+    ref = copy.deepcopy(model)
+    skip = ref.get_output_embeddings()
+    with torch.no_grad():
+        for module in ref.modules():
+            if type(module) is nn.Linear and module is not skip:
+                w8, scale = quantize_weight(module.weight)
+                module.weight.copy_(w8.float() * scale[:, None])
+    return ref
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_matches_reference(rows, dtype, bias):
+    gen = torch.Generator().manual_seed(0)
+    w8, scale = quantize_weight(torch.randn(40, 200, generator=gen))  # N, K not tile multiples
+    x = torch.randn(rows, 200, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype) if bias else None
+    args = [t.to(DEVICE) if t is not None else None for t in (x, w8, scale, b)]
+    got = fp8_gemv(*args)
+    ref = fp8_gemv_ref(x.float(), w8, scale, None if b is None else b.float())
+    assert got.dtype == dtype and not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().cpu(), ref, atol=tol * 10, rtol=tol)
+
+
+def test_fp8_gemv_refuses_bad_input():
+    w8, scale = quantize_weight(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="rows"):
+        fp8_gemv(torch.randn(17, 32), w8, scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemv(torch.randn(1, 32), w8.float(), scale)
+    with pytest.raises(ValueError, match="weight"):
+        fp8_gemv(torch.randn(1, 16), w8, scale)
+
+
+def test_quantize_weight_per_output_channel():
+    w = torch.randn(6, 50) * torch.tensor([1e-3, 0.1, 1, 10, 100, 1e4])[:, None]
+    w8, scale = quantize_weight(w)
+    assert w8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, w.abs().amax(1) / FP8_MAX)
+    back = w8.float() * scale[:, None]
+    # e4m3 keeps 3 mantissa bits: within 2^-4 relative (normal range), each row at its own scale
+    assert torch.all((back - w).abs() <= 2.0**-4 * w.abs() + 2.0**-9 * scale[:, None] * 2**6)
+
+
+def test_fp8_linear_cpu_is_weight_only_dequantised_matmul():
+    lin = nn.Linear(24, 10, bias=True)
+    q = Fp8Linear(lin)
+    x = torch.randn(2, 5, 24)
+    expected = nn.functional.linear(x, q.weight.float() * q.weight_scale[:, None], lin.bias)
+    torch.testing.assert_close(q(x), expected, atol=1e-5, rtol=1e-5)
+    assert q.weight.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt_neox"])
+def test_greedy_parity_against_dequantised_model(arch, tiny_model, batch_factory):
+    model = tiny_model(arch)
+    ref_model = dequantised_copy(model)
+    ids, mask = batch_factory([1, 7, 33, 64])
+    ref = ref_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    hf_paged.patch(model, quantization="fp8")
+    try:
+        engine = hf_paged.get_engine(model)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+        engine.check_invariants()
+        fused = engine.num_fused_projections
+    finally:
+        hf_paged.unpatch(model)
+    assert torch.equal(out, ref)
+    if arch in ("llama", "qwen2"):
+        assert fused > 0  # q/k/v and gate/up quantised as their fused matrices
+    # the model keeps FP8 layers after the engine, and its own generate still agrees
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    assert linears == [model.get_output_embeddings()]
+    again = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    assert torch.equal(again, ref)
+
+
+def test_fp8_weights_with_fp8_kv_cache(tiny_model, batch_factory):
+    model = tiny_model("llama")
+    ids, mask = batch_factory([5, 30])
+    hf_paged.patch(model, quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+        hf_paged.get_engine(model).check_invariants()
+    finally:
+        hf_paged.unpatch(model)
+    assert out.shape == (2, 38)
+    # a second engine on the already quantised model: nothing quantised twice
+    hf_paged.patch(model, quantization="fp8")
+    try:
+        again = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8
+        )
+    finally:
+        hf_paged.unpatch(model)
+    assert again.shape == out.shape
+
+
+def test_fused_projection_slices_quantised(tiny_model):
+    from hf_paged.integrations.fused_projections import fuse_projections
+
+    from hf_paged.quantization.fp8_weights import quantize_model
+
+    model = tiny_model("llama")
+    ref = dequantised_copy(model)
+    fuse_projections(model)
+    quantize_model(model, "fp8")
+    attn, ref_attn = model.model.layers[0].self_attn, ref.model.layers[0].self_attn
+    x = torch.randn(1, 3, 64)
+    # out of the group's call order: each slice from its own rows and scales
+    for name in ("v_proj", "k_proj", "q_proj"):
+        got = getattr(attn, name)(x)
+        torch.testing.assert_close(got, getattr(ref_attn, name)(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "value,match", [("int4", "quantization must be None or 'fp8'"), (True, "quantization must")]
+)
+def test_bad_quantization_option(value, match, tiny_model):
+    with pytest.raises(ValueError, match=match):
+        hf_paged.Engine(tiny_model("llama"), quantization=value)
+
+
+def test_already_quantised_model_refused(tiny_model):
+    model = tiny_model("llama")
+    model.config.quantization_config = {"quant_method": "bitsandbytes"}
+
+    class Q:
+        quant_method = "bitsandbytes"
+
+    model.config.quantization_config = Q()
+    with pytest.raises(ValueError, match="already quantised"):
+        hf_paged.Engine(model, quantization="fp8")
+    assert all(type(m) is not Fp8Linear for m in model.modules())  # untouched
+
+
+def test_peft_model_refused(peft_model):
+    with pytest.raises(ValueError, match="quantization=.fp8. on a PeftModel"):
+        hf_paged.Engine(peft_model(), quantization="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 512])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_fp8_linear_real_shapes_gpu(rows, n, k):
+    # Llama-3-8B's fused qkv, o, gate/up and down shapes: the GEMV (<= 16 rows) and
+    # _scaled_mm with per-token activation scales (more rows) against the weight-only product
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w8, scale = quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    got = fp8_linear(x, w8, scale).float()
+    ref = fp8_gemv_ref(x.float(), w8, scale)
+    rel = (got - ref).norm() / ref.norm()
+    # GEMV: bf16 output rounding only; scaled_mm adds e4m3 activation rounding (~2^-4 / sqrt)
+    assert rel < (5e-3 if rows <= 16 else 3e-2), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_finegrained_fp8_checkpoint_runs_as_loaded_gpu(tiny_model, batch_factory, tmp_path):
+    # transformers' own FP8 checkpoints (FineGrainedFP8Config; it needs a GPU to load them):
+    # the engine runs its FP8Linear layers as they are, output as transformers' generate
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    tiny_model("llama", hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=FineGrainedFP8Config(), device_map="cuda"
+    )
+    ids, mask = (t.cuda() for t in batch_factory([3, 12, 30]))
+    try:
+        ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    except ImportError as e:  # transformers fetches its FP8 kernels from the hub (`kernels`)
+        pytest.skip(f"transformers cannot run this checkpoint here: {e}")
+    with pytest.raises(ValueError, match="already quantised"):
+        hf_paged.Engine(model, quantization="fp8")
+    hf_paged.patch(model)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+        hf_paged.get_engine(model).check_invariants()
+    finally:
+        hf_paged.unpatch(model)
+    assert torch.equal(out, ref)
