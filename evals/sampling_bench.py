@@ -8,10 +8,12 @@ sampling mode is printed as a ratio to greedy against the targets (>= 0.90 witho
 >= 0.80 with it). Every mode is warmed up at its own options before the clock.
 
 Kernel part: the sampler's draw alone on [rows, vocab] bfloat16 logits (CUDA events, median of
-repeats): kernels/sampling.py (temperature 0.7, top-k 50, top-p 0.9; top-p 0.9 alone; min-p
-0.05 alone) against the sort path it replaced (temperature, sort-based top-k and top-p from
-hf_paged.sample.logits_processing, softmax, exponential race) and torch.multinomial on the
-softmax (no top-k/top-p at all: a floor for any draw).
+repeats): what the sampler runs (temperature 0.7, top-k 50, top-p 0.9 through
+kernels/sampling_topk.py; top-p 0.9 alone and min-p 0.05 alone through kernels/sampling.py, and
+the first case through kernels/sampling.py too, "search") against the sort path it replaced
+(temperature, sort-based top-k and top-p from hf_paged.sample.logits_processing, softmax,
+exponential race) and torch.multinomial on the softmax (no top-k/top-p at all: a floor for any
+draw).
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ def _sort_path(logits, temp, top_k, top_p):
 
 def kernel_bench(rows: int, vocabs: list[int]) -> list[dict]:
     from hf_paged.kernels.sampling import sample_rows
+    from hf_paged.kernels.sampling_topk import sample_rows_topk
 
     dev = torch.device("cuda")
     out = []
@@ -199,7 +202,16 @@ def kernel_bench(rows: int, vocabs: list[int]) -> list[dict]:
         full = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt, device=dev)  # noqa: E731
         zero_k = full(0, torch.int32)
         cases = {
-            "ours t0.7 k50 p0.9": lambda: sample_rows(
+            "ours t0.7 k50 p0.9": lambda: sample_rows_topk(
+                logits,
+                full(0.7),
+                full(50, torch.int32),
+                full(0.9),
+                full(0.0),
+                torch.rand(rows, device=dev),
+                50,
+            ),
+            "search t0.7 k50 p0.9": lambda: sample_rows(
                 logits,
                 full(0.7),
                 full(50, torch.int32),

@@ -1,13 +1,15 @@
-"""kernels/sampling.py compiled, at real vocabularies (152k, 256k) and 128 rows: the distribution
-of each option against transformers' warpers (one row read by 65,536 programs, stratified
-uniforms: token i must come n * p_i times, +-2), the same token as sample_rows_ref on cut rows,
-seeded rows through the Sampler, and faster than the sort path it replaced."""
+"""kernels/sampling.py and kernels/sampling_topk.py compiled, at real vocabularies (152k, 256k) and
+128 rows: the distribution of each option against transformers' warpers (one row read by 65,536
+programs, stratified uniforms: token i must come n * p_i times, +-2), the same token as
+sample_rows_ref on cut rows, seeded rows through the Sampler, one compiled variant of each
+kernel whatever the batch size, and faster than the paths they replaced."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from hf_paged.kernels.sampling import sample_rows, sample_rows_ref
+from hf_paged.kernels.sampling_topk import sample_rows_topk
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -58,9 +60,27 @@ def test_distribution_at_real_vocab(vocab, name):
     assert (counts - n * expected).abs().max() <= 2.0
 
 
+@pytest.mark.parametrize("vocab", [151936, 256000])
+@pytest.mark.parametrize("name", ["t0.7_k50_p0.9", "t1.3_k1000_minp0.01"])
+def test_topk_distribution_at_real_vocab(vocab, name):
+    g = torch.Generator(device=DEV).manual_seed(vocab + 1)
+    logits = torch.randn(1, vocab, device=DEV, generator=g) * 3
+    kwargs, warpers = CASES[name]
+    expected = LogitsProcessorList(warpers)(None, logits.clone()).double().softmax(-1)[0]
+    n = 65536
+    u = (torch.arange(n, device=DEV, dtype=torch.float64) + 0.5) / n
+    draws = sample_rows_topk(
+        logits.expand(n, -1), *_params(n, **kwargs), u.float(), kwargs["top_k"]
+    )
+    counts = torch.bincount(draws, minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0
+    assert (counts - n * expected).abs().max() <= 2.0
+
+
+@pytest.mark.parametrize("kernel", ["search", "topk"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [151936, 256000])
-def test_same_token_as_reference_on_cut_rows(vocab, dtype):
+def test_same_token_as_reference_on_cut_rows(vocab, dtype, kernel):
     """128 rows, mixed per-row options; top-k <= 100 on every row, so the kept mass is summed
     over few tokens and the kernel's and torch's roundings cannot move a draw."""
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -72,8 +92,44 @@ def test_same_token_as_reference_on_cut_rows(vocab, dtype):
     top_p = torch.where(torch.rand(n, device=DEV, generator=g) < 0.3, 1.0, 0.9)
     min_p = torch.where(torch.rand(n, device=DEV, generator=g) < 0.3, 0.05, 0.0)
     u = torch.rand(n, device=DEV, generator=g)
-    got = sample_rows(x, temp, top_k, top_p, min_p, u)
+    if kernel == "search":
+        got = sample_rows(x, temp, top_k, top_p, min_p, u)
+    else:
+        got = sample_rows_topk(x, temp, top_k, top_p, min_p, u, 100)
     assert torch.equal(got, sample_rows_ref(x, temp, top_k, top_p, min_p, u))
+
+
+def _variants(jit_fn) -> int:
+    return sum(len(cache[0]) for cache in jit_fn.device_caches.values())
+
+
+def test_one_compiled_variant_whatever_the_batch_size():
+    """Every batch size from 1 to 13 through the Sampler (top-k rows, top-p-only rows, with a
+    repetition penalty) compiles each kernel once: a parameter row at an odd offset used to make
+    Triton compile another variant (16-byte alignment) in the middle of a run."""
+    from hf_paged.kernels.penalties import _penalties_kernel
+    from hf_paged.kernels.sampling import _sample_rows_kernel
+    from hf_paged.kernels.sampling_topk import _topk_rows_kernel
+
+    from hf_paged.sample.logits_processing import TokenCountPool
+
+    vocab = 32000
+    kinds = [
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1),
+        SamplingParams(top_p=0.9, repetition_penalty=1.1),
+    ]
+    sampler, pool = Sampler(DEV), TokenCountPool(DEV)
+    counts = []
+    for batch in range(1, 14):
+        for params in kinds:
+            rows = [SamplingRow(f"r{i}", params, None, [3, 4], 2) for i in range(batch)]
+            x = torch.randn(batch, vocab, device=DEV).bfloat16()
+            sampler(x, rows, pool).tokens.cpu()
+            for r in rows:
+                pool.release(r.req_id)
+        counts.append([_variants(k) for k in (_sample_rows_kernel, _topk_rows_kernel)])
+        counts[-1].append(_variants(_penalties_kernel))
+    assert counts[-1] == counts[0] == [1, 1, 1], counts
 
 
 def test_seeded_rows_repeat_in_any_batch():
@@ -123,6 +179,11 @@ def test_faster_than_the_sort_path():
         return start.elapsed_time(end) / 10
 
     assert ms(ours) < ms(sort_path)
+
+    def listed():
+        sample_rows_topk(x, temp, top_k, top_p, min_p, torch.rand(n, device=DEV), 50)
+
+    assert ms(listed) < ms(ours) / 2
 
 
 def test_penalties_kernel_equals_torch_at_real_vocab():

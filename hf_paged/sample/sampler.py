@@ -23,14 +23,13 @@ same argmax inside itself (the runner checks for no feature bits, this hot path'
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hf_paged.sample.logits_processing import TokenCountPool, process_logits
 from hf_paged.sample.metadata import SamplerOutput, SamplingRow
 from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_RENORM, F_STRUCTURED, F_WARP
 from hf_paged.structured_output.logits_mask import GrammarBitmask
-from hf_paged.worker.host_to_device import device_tensor
+from hf_paged.worker.host_to_device import device_rows, device_tensor
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -156,21 +155,14 @@ def draw_fast(
     scores: torch.Tensor, rows: list[SamplingRow], sel: list[int], tokens: torch.Tensor | None
 ) -> torch.Tensor:
     """Sample rows `sel` of scores (raw or processed logits, warpers not applied) with
-    kernels/sampling.py; into tokens (None: sel is every row, in order)."""
+    kernels/sampling_topk.py (rows with a small top_k) and kernels/sampling.py (the others);
+    into tokens (None: sel is every row, in order)."""
     dev = scores.device
     ps = [rows[i].params for i in sel]
+    top_ks = [p.top_k for p in ps]
     # one host-to-device copy for the four parameter rows (top_k exact in float32)
-    params = device_tensor(
-        np.array(
-            [
-                [p.temperature for p in ps],
-                [p.top_k for p in ps],
-                [p.top_p for p in ps],
-                [p.min_p for p in ps],
-            ],
-            dtype=np.float32,
-        ),
-        dev,
+    params = device_rows(
+        [[p.temperature for p in ps], top_ks, [p.top_p for p in ps], [p.min_p for p in ps]], dev
     )
     u = torch.rand(len(sel), device=dev)  # unseeded rows: the global generator
     seeded = [(k, rows[i].generator) for k, i in enumerate(sel) if rows[i].generator is not None]
@@ -179,11 +171,43 @@ def draw_fast(
         u.index_copy_(0, device_tensor([k for k, _ in seeded], dev), torch.cat(own))
     all_rows = tokens is None
     sub = scores if all_rows else scores.index_select(0, device_tensor(sel, dev))
-    from hf_paged.kernels.sampling import sample_rows, sample_rows_ref  # see argmax()
-
-    fn = sample_rows if dev.type == "cuda" else sample_rows_ref
-    sampled = fn(sub, params[0], params[1].to(torch.int32), params[2], params[3], u)
+    sampled = _draw_rows(sub, params, u, top_ks)
     return sampled if all_rows else tokens.index_copy(0, device_tensor(sel, dev), sampled)
+
+
+def _draw_rows(
+    x: torch.Tensor,
+    params: list[torch.Tensor],
+    u: torch.Tensor,
+    top_ks: list[int],
+    kernels: bool | None = None,
+) -> torch.Tensor:
+    """One token per row of x: rows whose top_k the candidate list holds take
+    kernels/sampling_topk.py (torch.topk, then two passes over the row), the others
+    kernels/sampling.py (threshold searches). kernels (default: x on a GPU); False: the torch
+    reference, the CPU path."""
+    from hf_paged.kernels.sampling import sample_rows, sample_rows_ref  # see argmax()
+    from hf_paged.kernels.sampling_topk import TOPK_CAP, list_length, sample_rows_topk
+
+    temp, top_k, top_p, min_p = params
+    top_k = top_k.to(torch.int32)
+    if not (x.is_cuda if kernels is None else kernels):
+        return sample_rows_ref(x, temp, top_k, top_p, min_p, u)
+    vocab = x.shape[1]
+    short = [i for i, k in enumerate(top_ks) if 0 < k <= TOPK_CAP and list_length(k) <= vocab]
+    if not short:
+        return sample_rows(x, temp, top_k, top_p, min_p, u)
+    k_max = max(top_ks[i] for i in short)
+    if len(short) == len(top_ks):
+        return sample_rows_topk(x, temp, top_k, top_p, min_p, u, k_max)
+    listed = set(short)
+    rest = [i for i in range(len(top_ks)) if i not in listed]
+    out = torch.empty(len(top_ks), dtype=torch.long, device=x.device)
+    for group, fn, extra in ((short, sample_rows_topk, (k_max,)), (rest, sample_rows, ())):
+        idx = device_tensor(group, x.device)
+        args = [t.index_select(0, idx) for t in (x, temp, top_k, top_p, min_p, u)]
+        out.index_copy_(0, idx, fn(*args, *extra))
+    return out
 
 
 def _draw(scores: torch.Tensor, rows: list[SamplingRow], sel: list[int], tokens: torch.Tensor):

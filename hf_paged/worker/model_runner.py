@@ -20,7 +20,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.core.outputs import ModelRunnerOutput, ScheduledBatch
 from hf_paged.quantization.kv_cache import kv_cache_scales, kv_cache_torch_dtype
 from hf_paged.sample.sampler import Sampler
-from hf_paged.sampling_params import F_STRUCTURED
+from hf_paged.sampling_params import F_PRESENCE, F_REPETITION, F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.forward_context import ForwardContext, forward_context
@@ -153,6 +153,8 @@ class ModelRunner:
         self._update_rows(batch)
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
+        if async_output and step.features & (F_REPETITION | F_PRESENCE):  # never a verify step
+            self._take_pending_tokens(step, kept.sample_idx)
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
@@ -249,6 +251,24 @@ class ModelRunner:
         elif live.any():
             self._add_tokens(pending.rows[live], pending.positions[live], tokens[live].tolist())
         return tokens
+
+    def _take_pending_tokens(self, step: StepInputs, sample_idx: np.ndarray) -> None:
+        """Penalised rows whose input token (position seq_len - 1) the host has not read yet
+        (asynchronous scheduling): their penalty counts take it from last_tokens on the device,
+        copied now, before the forward (a decode graph overwrites last_tokens with its greedy
+        tokens)."""
+        rows = step.rows[sample_idx]
+        ib = self.input_batch
+        unknown = np.flatnonzero(ib.num_known[rows] < step.seq_lens[sample_idx])
+        chosen = []
+        for k in unknown.tolist():
+            r = ib.sampling[int(rows[k])]
+            if r.features & (F_REPETITION | F_PRESENCE):
+                r.pending_index = len(chosen)
+                chosen.append(int(rows[k]))
+        if chosen:
+            at = to_device(np.asarray(chosen), self.device)
+            ib.penalty_counts.pending_tokens = self.last_tokens.index_select(0, at)
 
     def _update_rows(self, batch: ScheduledBatch) -> None:
         """Before the step: drop released requests, copy copied-on-write blocks, take new
