@@ -7,19 +7,20 @@ group has 0 < k <= TOPK_CAP, torch.topk (a multi-block radix select) gives each 
 largest logits, and everything the cuts need is in that short sorted list:
 
 - the k-th largest z = x / T is the list's k-th entry (z is monotone in x);
-- every survivor with z above it is in the list; survivors equal to it may be missing (ties past
-  position KP), so one pass over the row counts them (`tail`);
+- every survivor with z above it is in the list, and so is every survivor equal to it unless
+  the list ends inside that tie; then one pass over the row counts them (`tail`);
 - top-p over the survivors: a value v stays when the survivors strictly above it hold less than
   p of their mass; in the descending list that is the exclusive running mass at v's first entry,
   so the cut is the smallest list value whose running mass is below p * mass, or the k-th value
   itself when the whole list above it holds less than that;
 - min-p: e = exp(z - max z) >= min_p, a comparison.
 
-So the kept set is {z >= t, e >= min_p} with its mass known, and a second pass over the row
-draws by inverse CDF in index order with the row's uniform u: the first kept index whose running
-mass exceeds u * (kept mass), exactly the rule of kernels/sampling.py and its torch reference
-(sample_rows_ref), with the same tie rule (a value tied at a cut is kept whole). The two passes
-read the row once each (the second stops at the drawn token).
+So the kept set is {z >= t, e >= min_p} with its mass known, and a pass over the row draws by
+inverse CDF in index order with the row's uniform u: the first kept index whose running mass
+exceeds u * (kept mass), exactly the rule of kernels/sampling.py and its torch reference
+(sample_rows_ref), with the same tie rule (a value tied at a cut is kept whole). The draw stops
+at the drawn token: on average about half a read of the row, plus a whole read when the list
+ends inside the k-th value's tie.
 """
 
 from __future__ import annotations
@@ -74,12 +75,15 @@ def _topk_rows_kernel(
     zc = tl.where(zc == 0.0, 0.0, zc)
     m = tl.max(zc)
     t = tl.sum(tl.where(i == k - 1, zc, 0.0))  # the k-th largest z
-    # pass 1: how many entries of the row equal t (the list may hold only some of them)
-    tail = 0.0
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        z = _row_z(row_ptr, offs, V, T)
-        tail += tl.sum(((z == t) & (offs < V)).to(tl.float32))
+    # how many entries of the row equal t: all in the list when the list ends below t,
+    # else (the list ends inside the tie) pass 1 counts them over the row
+    tail = tl.sum((zc == t).to(tl.float32))
+    if tl.sum(tl.where(i == KP - 1, zc, 0.0)) == t:
+        tail = 0.0
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            z = _row_z(row_ptr, offs, V, T)
+            tail += tl.sum(((z == t) & (offs < V)).to(tl.float32))
     e = tl.exp(zc - m)
     e_t = tl.exp(t - m)
     above = (i < k) & (zc > t)  # survivors above t: all in the list

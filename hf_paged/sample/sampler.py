@@ -183,7 +183,7 @@ def _draw_rows(
     kernels: bool | None = None,
 ) -> torch.Tensor:
     """One token per row of x: rows whose top_k the candidate list holds take
-    kernels/sampling_topk.py (torch.topk, then two passes over the row), the others
+    kernels/sampling_topk.py (torch.topk, then a draw over the row), the others
     kernels/sampling.py (threshold searches). kernels (default: x on a GPU); False: the torch
     reference, the CPU path."""
     from hf_paged.kernels.sampling import sample_rows, sample_rows_ref  # see argmax()
