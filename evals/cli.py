@@ -479,10 +479,6 @@ def main(argv: list[str] | None = None) -> int:
             from .spec_bench import cmd_spec
 
             return cmd_spec(args, _save)
-        if args.command == "sampling":
-            from .sampling_bench import cmd_sampling
-
-            return cmd_sampling(args, _save)
         if args.command == "quant-accuracy":
             from .quant_bench import cmd_quant
 

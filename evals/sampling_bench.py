@@ -48,6 +48,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--no-kernel", action="store_true", help="only the engine runs")
     p.add_argument("--kernel-rows", type=int, default=128)
     p.add_argument("--kernel-vocabs", default="151936,256000", help="comma list")
+    p.set_defaults(run=cmd_sampling)
 
 
 def cmd_sampling(args, save) -> int:
