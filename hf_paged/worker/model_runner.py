@@ -161,7 +161,7 @@ class ModelRunner:
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
         if async_output and step.features & (F_REPETITION | F_PRESENCE):  # never a verify step
-            self._take_pending_tokens(step, kept.sample_idx)
+            _take_pending_tokens(self.input_batch, self.last_tokens, step, kept.sample_idx)
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
@@ -259,24 +259,6 @@ class ModelRunner:
             self._add_tokens(pending.rows[live], pending.positions[live], tokens[live].tolist())
         return tokens
 
-    def _take_pending_tokens(self, step: StepInputs, sample_idx: np.ndarray) -> None:
-        """Penalised rows whose input token (position seq_len - 1) the host has not read yet
-        (asynchronous scheduling): their penalty counts take it from last_tokens on the device,
-        copied now, before the forward (a decode graph overwrites last_tokens with its greedy
-        tokens)."""
-        rows = step.rows[sample_idx]
-        ib = self.input_batch
-        unknown = np.flatnonzero(ib.num_known[rows] < step.seq_lens[sample_idx])
-        chosen = []
-        for k in unknown.tolist():
-            r = ib.sampling[int(rows[k])]
-            if r.features & (F_REPETITION | F_PRESENCE):
-                r.pending_index = len(chosen)
-                chosen.append(int(rows[k]))
-        if chosen:
-            at = to_device(np.asarray(chosen), self.device)
-            ib.penalty_counts.pending_tokens = self.last_tokens.index_select(0, at)
-
     def _update_rows(self, batch: ScheduledBatch) -> None:
         """Before the step: drop released requests, copy copied-on-write blocks, take new
         requests (in that order: a rewritten request is released and new in one batch)."""
@@ -364,3 +346,21 @@ class ModelRunner:
         overwrite step n's tokens before the host has read them."""
         self._host_flip ^= 1
         return self._host_tokens[self._host_flip][:n]
+
+
+def _take_pending_tokens(ib, last_tokens: torch.Tensor, step: StepInputs, sample_idx) -> None:
+    """Penalised rows whose input token (position seq_len - 1) the host has not read yet
+    (asynchronous scheduling): their penalty counts take it from last_tokens on the device,
+    copied now, before the forward (a decode graph overwrites last_tokens with its greedy
+    tokens)."""
+    rows = step.rows[sample_idx]
+    unknown = np.flatnonzero(ib.num_known[rows] < step.seq_lens[sample_idx])
+    chosen = []
+    for k in unknown.tolist():
+        r = ib.sampling[int(rows[k])]
+        if r.features & (F_REPETITION | F_PRESENCE):
+            r.pending_index = len(chosen)
+            chosen.append(int(rows[k]))
+    if chosen:
+        at = to_device(np.asarray(chosen), last_tokens.device)
+        ib.penalty_counts.pending_tokens = last_tokens.index_select(0, at)
