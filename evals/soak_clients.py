@@ -118,6 +118,14 @@ class SoakClients:
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         return await _open(self.host, self.port, path, payload, self.headers)
 
+    async def _exchange(self, path: str, body: dict | bytes) -> tuple[int, bytes]:
+        """POST, then the whole response body (a stream read to its end)."""
+        status, chunked, reader, writer = await self._post(path, body)
+        try:
+            return status, await _body(reader, chunked)
+        finally:
+            writer.close()
+
     def _streamed_body(self, max_tokens: int) -> tuple[str, dict]:
         body = {"model": self.rng.choice(self.models), "max_tokens": max_tokens}
         body["ignore_eos"] = True
@@ -130,11 +138,7 @@ class SoakClients:
     async def _stream(self):
         max_tokens = self.rng.randint(4, 24)
         path, body = self._streamed_body(max_tokens)
-        status, chunked, reader, writer = await self._post(path, body)
-        try:
-            data = await _body(reader, chunked)
-        finally:
-            writer.close()
+        status, data = await self._exchange(path, body)
         if status != 200:
             return f"status {status}: {data[:200]!r}"
         events = _events(data)
@@ -153,11 +157,7 @@ class SoakClients:
         body = {"model": self.rng.choice(self.models), "prompt": self._prompt(), "n": 2}
         body["max_tokens"] = max_tokens
         body.update(self._sampling(), ignore_eos=True)
-        status, chunked, reader, writer = await self._post("/v1/completions", body)
-        try:
-            data = await _body(reader, chunked)
-        finally:
-            writer.close()
+        status, data = await self._exchange("/v1/completions", body)
         if status != 200:
             return f"status {status}: {data[:200]!r}"
         r = json.loads(data)
@@ -187,11 +187,7 @@ class SoakClients:
             ({"model": self.model, "prompt": "hello", "suffix": "x"}, 400),
         ]
         body, want = self.rng.choice(cases)
-        status, chunked, reader, writer = await self._post("/v1/completions", body)
-        try:
-            data = await _body(reader, chunked)
-        finally:
-            writer.close()
+        status, data = await self._exchange("/v1/completions", body)
         if status != want:
             return f"status {status}, expected {want}: {data[:200]!r}"
         error = json.loads(data).get("error")

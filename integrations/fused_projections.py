@@ -10,8 +10,10 @@ so the result is always that of the original layers; only the number of matmuls 
 One launch instead of three (or two) per layer matters where those launches are short: decode at
 small batch, where the k/v projections of a GQA model move only a few MB each.
 
-Only plain `nn.Linear` groups with one input size, dtype and device are fused: LoRA-wrapped or
-quantised layers (peft, bitsandbytes) are left as they are. `unfuse_projections` puts the
+Only plain `nn.Linear` groups with one input size, dtype and device are fused; quantised layers
+(bitsandbytes) are left as they are. A peft LoRA layer counts by its base layer: the base layer is
+fused and the LoRA layer keeps wrapping it (it adds its delta to the slice). A slice is an
+nn.Linear to peft, so an adapter loaded later may target it. `unfuse_projections` puts the
 original layout back (weights become views into the fused matrix: no extra memory).
 
 While fused, `state_dict()` still has the original names (`...q_proj.weight`, not the fused
@@ -81,11 +83,12 @@ class FusedProjection(nn.Module):
         return out
 
 
-class ProjectionSlice(nn.Module):
-    """Stands where one of the group's nn.Linear was; weight/bias are views of the fused ones."""
+class ProjectionSlice(nn.Linear):
+    """Stands where one of the group's nn.Linear was; weight/bias are views of the fused ones.
+    An nn.Linear by type (peft wraps only those) that owns no parameters of its own."""
 
     def __init__(self, fused: FusedProjection, index: int, original: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: weight and bias are the fused matrix's rows
         object.__setattr__(self, "fused", fused)  # not a submodule: its weight is stored once
         self.index = index
         self.in_features = original.in_features
@@ -133,7 +136,15 @@ class ProjectionSlice(nn.Module):
                 target.copy_(value)  # a view of the fused matrix: writes through
 
 
+def lora_base(layer):
+    """A peft LoRA layer's base layer (the layer itself when it is not one): duck-typed, so
+    this module needs no peft."""
+    base = getattr(layer, "base_layer", None)
+    return base if base is not None and hasattr(layer, "lora_A") else layer
+
+
 def _fusable(layers: list) -> bool:
+    layers = [lora_base(layer) for layer in layers]
     if not all(type(layer) is nn.Linear for layer in layers):
         return False
     first = layers[0]
@@ -154,10 +165,12 @@ def fuse_projections(model: nn.Module) -> int:
             layers = [getattr(module, name, None) for name in names]
             if any(layer is None for layer in layers) or not _fusable(layers):
                 continue
-            fused = FusedProjection(layers)
+            fused = FusedProjection([lora_base(layer) for layer in layers])
             setattr(module, _FUSED_PREFIX + "_".join(names), fused)
             for index, (name, layer) in enumerate(zip(names, layers)):
-                setattr(module, name, ProjectionSlice(fused, index, layer))
+                base = lora_base(layer)
+                holder, attr = (module, name) if base is layer else (layer, "base_layer")
+                setattr(holder, attr, ProjectionSlice(fused, index, base))
             count += 1
     return count
 
@@ -173,12 +186,15 @@ def unfuse_projections(model: nn.Module) -> int:
                 continue
             scale = fused._buffers.get("weight_scale")
             for index, name in enumerate(names):
-                part: ProjectionSlice = getattr(module, name)
+                wrapper = getattr(module, name)
+                part: ProjectionSlice = lora_base(wrapper)
+                # a LoRA layer (peft's, maybe added while fused) keeps wrapping the base layer
+                holder, attr = (module, name) if part is wrapper else (wrapper, "base_layer")
                 if scale is not None:  # quantised while fused: FP8 layers of their rows
                     from hf_paged.quantization.fp8_weights import Fp8Linear
 
                     rows = fused.rows(index)
-                    setattr(module, name, Fp8Linear.of(part.weight, scale[rows], part.bias))
+                    setattr(holder, attr, Fp8Linear.of(part.weight, scale[rows], part.bias))
                     continue
                 layer = nn.Linear(
                     part.in_features,
@@ -189,7 +205,7 @@ def unfuse_projections(model: nn.Module) -> int:
                 layer.weight = nn.Parameter(part.weight, requires_grad=part.requires_grad)
                 if fused.bias is not None:
                     layer.bias = nn.Parameter(part.bias, requires_grad=part.requires_grad)
-                setattr(module, name, layer)
+                setattr(holder, attr, layer)
             delattr(module, key)
             count += 1
     return count

@@ -130,6 +130,21 @@ def test_rows_match_peft_alone_with_graphs_fp32():
     assert got == want
 
 
+def test_small_batch_forward_applies_each_rows_adapter_fp32(monkeypatch):
+    """Batch 1 and 2 (the fused small-batch forward, in decode graphs) with adapters on all
+    seven projections: the same tokens as the engine without the small-batch forward."""
+    model = _peft_model(torch.float32, num_adapters=3)
+    prompts = _prompts(seed=4)[:4]
+    names = ["a0", None, "a2", "a1"]
+    want, _ = _run(model, prompts, names, small_batch_rows=0)
+    eng = Engine(model)
+    assert eng.runner.forward.small_batch is not None, eng.runner.forward.small_batch_status
+    eng.shutdown()
+    alone = [_run(model, [p], [n])[0][0] for p, n in zip(prompts, names)]  # batch 1
+    pairs = _run(model, prompts[:2], names[:2])[0] + _run(model, prompts[2:], names[2:])[0]
+    assert alone == want and pairs == want
+
+
 def test_bf16_first_tokens_agree_with_the_torch_references(monkeypatch):
     model = _peft_model(torch.bfloat16)
     prompts = _prompts(seed=3)

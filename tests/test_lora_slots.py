@@ -203,12 +203,12 @@ def test_an_adapter_replaced_under_its_name_is_copied_again(peft_model, lora_b):
 def test_an_adapter_loaded_later_may_target_any_projection(peft_model, lora_b):
     from peft import LoraConfig
 
-    # q/v adapters only: k_proj and gate/up stay plain Linear layers, which the engine would
-    # fuse; it does not with LoRA, so peft can wrap them later
+    # q/v adapters only: k_proj and gate/up are plain Linear layers, which the engine fuses
+    # (slices of one matrix); peft wraps the slices later as it wraps any Linear
     model = peft_model({"math": (8, ["q_proj", "v_proj"], False)})
     prompt = _prompts([7], seed=7)[0]
     eng = Engine(model)
-    assert eng.num_fused_projections == 0
+    assert eng.num_fused_projections == 4  # q/k/v and gate/up of both layers
     model.add_adapter("mlp", LoraConfig(r=5, target_modules=["gate_proj", "up_proj", "k_proj"]))
     lora_b(model, "mlp")
     got = eng.generate([prompt, prompt], [_params("mlp"), _params("math")])
@@ -217,6 +217,9 @@ def test_an_adapter_loaded_later_may_target_any_projection(peft_model, lora_b):
         _alone(model, prompt, "math", 5),
     ]
     eng.shutdown()
+    # unfused: every LoRA layer (those peft added while fused too) wraps a plain Linear again
+    bases = [m.base_layer for m in model.modules() if hasattr(m, "lora_A")]
+    assert len(bases) == 10 and all(type(b) is torch.nn.Linear for b in bases)
 
 
 def test_compiled_lora_path_matches_eager_with_one_graph(peft_model):

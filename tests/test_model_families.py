@@ -115,7 +115,8 @@ def test_forced_eos_as_bart_checkpoints_set_it(batch_factory, one_torch_thread):
 
 def check_exact(name, batch_factory, build=None, model=None, **options):
     model = model or _build(name, **(build or {}))
-    ids, mask = batch_factory(LENGTHS, vocab=256)
+    device = next(model.parameters()).device  # the GPU test's model is on the GPU
+    ids, mask = (t.to(device) for t in batch_factory(LENGTHS, vocab=256))
     refs = [
         _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
     ]
@@ -188,19 +189,7 @@ def test_falcon_split_is_transformers_split_without_list_indexing(name):
 def test_swapped_families_on_the_gpu_with_graphs_and_compile(name, batch_factory):
     """The Triton kernels (ALiBi among them), CUDA graphs and torch.compile on the swapped
     modules: float32, greedy, against transformers on the same GPU."""
-    model = _build(name, hidden_size=128).cuda()
-    ids, mask = batch_factory(LENGTHS, vocab=256)
-    ids, mask = ids.cuda(), mask.cuda()
-    refs = [
-        _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
-    ]
-    hf_paged.patch(model, max_model_len=128)
-    try:
-        got = _greedy(model, ids, mask)
-    finally:
-        hf_paged.unpatch(model)
-    for i, ref in enumerate(refs):
-        assert torch.equal(got[i], ref[0]), (name, i, got[i], ref[0])
+    check_exact(name, batch_factory, model=_build(name, hidden_size=128).cuda())
 
 
 REFUSED = {

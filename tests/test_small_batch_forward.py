@@ -169,3 +169,49 @@ def test_warm_up_compiles_every_row_count_it_will_run(tiny_model, monkeypatch, r
     assert set(seen) == warmed  # the kernels' power-of-2 row variants (3 rows: the 4-row one)
     eng.shutdown()
     assert eng.runner.forward.small_batch is None
+
+
+@pytest.mark.parametrize("tables", [True, False])
+def test_lora_adapters_in_the_small_batch_forward(peft_model, tables, monkeypatch):
+    """A PeftModel's adapters (different ranks and targets, rows with none) through the fused
+    forward: each row's tokens and log-probs as the transformers forward's with the LoRA
+    layers; with and without the one-launch norm + q/k/v + RoPE (LoRA on q/k/v takes the
+    unfused path either way)."""
+    if not tables:  # the per-step rotary path
+        from hf_paged.worker import small_batch_forward as sbf
+
+        monkeypatch.setattr(sbf, "_half_rotary_tables", lambda model, n: (None, None))
+    model = peft_model()
+    prompts = _prompts([3, 12, 9, 7], seed=5)
+    names = ["chat", "math", None, "code"]
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2, adapter=n)
+        for n in names
+    ]
+    plain = Engine(model, small_batch_rows=0, **ENGINE)
+    want = plain.generate(prompts, params)
+    plain.shutdown()
+    base = Engine(model, small_batch_rows=0, **ENGINE)  # without adapters: they change tokens
+    unadapted = base.generate(
+        prompts, [SamplingParams(**{**_plain(p), "adapter": None}) for p in params]
+    )
+    base.shutdown()
+    assert [o.output_token_ids for o in unadapted] != [o.output_token_ids for o in want]
+    eng = Engine(model, small_batch_rows=8, **ENGINE)
+    fast = eng.runner.forward.small_batch
+    assert fast is not None and (fast.cos_table is not None) == tables
+    seen = _counting(eng)
+    got = eng.generate(prompts, params)
+    eng.check_invariants()
+    assert 4 in seen  # the 4-row decode steps ran fused, with every adapter in them
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    for a, b in zip(got, want):
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            for tok in da:
+                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    eng.shutdown()
+
+
+def _plain(p: SamplingParams) -> dict:
+    return dict(max_tokens=p.max_tokens, temperature=0, ignore_eos=True, logprobs=p.logprobs)

@@ -125,23 +125,6 @@ def _(y, x, a, b, scale) -> None:
     return None
 
 
-def restrict_config(config) -> list[str]:
-    """What the LoRA path does not cover yet, turned off: the small-batch forward (its own fused
-    weights) applies no adapter, and a fused q/k/v or gate/up group (of layers no adapter
-    targets) would make peft refuse an adapter loaded later on one of them ("Target module
-    ProjectionSlice() is not supported"). torch.compile and CUDA graphs stay: the LoRA add is
-    one opaque op of static shapes whose per-token slots are graph inputs. Returns what it
-    turned off."""
-    off = []
-    if config.fuse_projections:
-        config.fuse_projections = False
-        off.append("fuse_projections")
-    if config.small_batch_rows:
-        config.small_batch_rows = 0
-        off.append("small_batch_rows")
-    return off
-
-
 def adapter_names(model: torch.nn.Module) -> set[str]:
     """The LoRA adapters a PeftModel has now (peft_config keys; load_adapter adds to them)."""
     return set(getattr(model, "peft_config", {}) or {})

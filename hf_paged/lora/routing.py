@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Container, Iterator
@@ -28,7 +27,6 @@ from hf_paged.lora.layers import (
     check_supported,
     install,
     lora_layers,
-    restrict_config,
     uninstall,
 )
 from hf_paged.lora.slots import LoraSlots
@@ -212,13 +210,6 @@ def route_adapters(model: torch.nn.Module, config, lease) -> LoraRouting | None:
         too_big = {n: r for layer in layers.values() for n, r in layer.r.items() if r > rank}
         if too_big:
             raise ValueError(f"max_lora_rank: {rank} is less than the rank of adapter(s) {too_big}")
-    off = restrict_config(config)
-    if off and next(model.parameters()).is_cuda:  # (off the GPU they never run)
-        warnings.warn(
-            f"hf_paged: LoRA adapters run without {', '.join(off)} for now",
-            RuntimeWarning,
-            stacklevel=5,
-        )
     if lease.lora is None:
         graphs = config.cuda_graphs and next(model.parameters()).is_cuda
         lease.lora = LoraRouting(model, layers, config.max_loras, rank, graphs)

@@ -17,6 +17,11 @@ kernels/rope_kv.py, the paged attention kernels):
     act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
     h    = h + act @ Wd.T                       fused_gemv  RESIDUAL
 
+A PeftModel's LoRA layers wrap the fused slices and o/down: their per-token deltas (the step's
+adapter slots, hf_paged.lora) are added to the slices they wrap, so a layer with LoRA on q/k/v
+takes the unfused RoPE + KV write after the delta, and one with LoRA on gate/up the ungated
+GEMV, then the activation in torch.
+
 and the final norm with the logits rows the step keeps as one more (NORM GATHER); before the
 layers, kernels/embedding.py resolves the step's token ids (some sampled on the device by the
 step before) and gathers their embedding rows in one launch. On Hopper the GEMVs and the
@@ -44,11 +49,18 @@ from hf_paged.worker.forward_context import PendingTokens, get_forward_context
 _ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """A PeftModel's transformers model (its LoRA layers stay in place), else the model."""
+    get = getattr(model, "get_base_model", None)
+    return get() if hasattr(model, "peft_config") and get is not None else model
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """None if SmallBatchForward can run this model, else why not (fused q/k/v and gate/up
     projections are required: Engine(fuse_projections=True), the default)."""
-    from hf_paged.integrations.fused_projections import ProjectionSlice
+    from hf_paged.integrations.fused_projections import ProjectionSlice, lora_base
 
+    model = _transformers_model(model)
     cfg = model.config.get_text_config()
     if cfg.model_type not in _ARCHITECTURES:
         return f"model_type {cfg.model_type!r} is not one of {_ARCHITECTURES}"
@@ -83,15 +95,15 @@ def unsupported_reason(model: nn.Module) -> str | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(_is_rms_norm(n) for n in norms):
             return "a decoder layer whose norms are not RMSNorm"
-        parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-        parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+        parts = [lora_base(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")]
+        parts += [lora_base(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj")]
         if not all(isinstance(p, ProjectionSlice) for p in parts):
-            return "q/k/v or gate/up not fused (fuse_projections=False, LoRA or quantised layers)"
+            return "q/k/v or gate/up not fused (fuse_projections=False or quantised layers)"
         if parts[3].fused.bias is not None:
             return "gate/up projections with bias"
-        for lin in (attn.o_proj, mlp.down_proj):
+        for lin in (lora_base(attn.o_proj), lora_base(mlp.down_proj)):
             if type(lin) is not nn.Linear:
-                return f"{type(lin).__name__} o_proj/down_proj (LoRA or quantised)"
+                return f"{type(lin).__name__} o_proj/down_proj (quantised)"
     return None
 
 
@@ -110,6 +122,8 @@ class _Layer:
     read at each call, so weights loaded into the model in place are the ones used."""
 
     index: int  # its KV cache in the forward context
+    attn: nn.Module  # the modules holding the projections: LoRA layers are looked up per call
+    mlp: nn.Module
     in_norm: nn.Module  # RMSNorm before attention
     qkv: nn.Module  # FusedProjection: [q | k | v] rows (+ bias for Qwen2)
     o: nn.Linear
@@ -133,8 +147,11 @@ class SmallBatchForward:
         max_positions: int | None = None,
     ) -> None:
         from hf_paged import kernels
+        from hf_paged.integrations.fused_projections import lora_base
 
         self.kernels = kernels
+        self.lora = hasattr(model, "peft_config")  # LoRA deltas looked for at each call
+        model = _transformers_model(model)
         cfg = model.config.get_text_config()
         self.max_rows = max_rows
         self.pdl = pdl
@@ -153,17 +170,23 @@ class SmallBatchForward:
             self.layers.append(
                 _Layer(
                     index=attn.layer_idx,
+                    attn=attn,
+                    mlp=mlp,
                     in_norm=layer.input_layernorm,
-                    qkv=attn.q_proj.fused,
-                    o=attn.o_proj,
+                    qkv=lora_base(attn.q_proj).fused,
+                    o=lora_base(attn.o_proj),
                     scale=float(attn.scaling),
                     window=int(window) if window else None,
                     post_norm=layer.post_attention_layernorm,
-                    gate_up=mlp.gate_proj.fused,
-                    gate_rows=mlp.gate_proj.fused.sizes[0],
-                    down=mlp.down_proj,
+                    gate_up=lora_base(mlp.gate_proj).fused,
+                    gate_rows=lora_base(mlp.gate_proj).fused.sizes[0],
+                    down=lora_base(mlp.down_proj),
                 )
             )
+
+    def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.base.rotary_emb(h[None], positions[None])
+        return cos[0], sin[0]
 
     def __call__(
         self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor, keep: torch.Tensor
@@ -179,15 +202,17 @@ class SmallBatchForward:
         else:
             h = k.embed_tokens(table, input_ids, pdl=pdl)  # [T, hidden]
         tables = self.cos_table is not None
+        cos = sin = None
         if not tables:  # per step, from the model's rotary module
-            cos, sin = self.base.rotary_emb(h[None], positions[None])
-            cos, sin = cos[0], sin[0]
+            cos, sin = self._cos_sin(h, positions)
         t = h.shape[0]
         decode = meta.max_query_len == 1 and t == meta.num_seqs
         for layer in self.layers:
+            lora = _lora_wrappers(layer) if self.lora else None
             norm = layer.in_norm
             key_cache, value_cache = ctx.kv_caches[layer.index]
-            if tables:  # norm + q/k/v + RoPE + KV write: one launch
+            qkv_lora = lora is not None and any(lora[n] for n in ("q_proj", "k_proj", "v_proj"))
+            if tables and not qkv_lora:  # norm + q/k/v + RoPE + KV write: one launch
                 q = k.norm_qkv_rope(
                     h,
                     layer.qkv.weight,
@@ -212,6 +237,11 @@ class SmallBatchForward:
                     bias=layer.qkv.bias,
                     pdl=pdl,
                 )
+                if qkv_lora:  # the deltas before RoPE and the KV write
+                    names = ("q_proj", "k_proj", "v_proj")
+                    _add_deltas(qkv, norm(h), [lora[n] for n in names], layer.qkv.sizes)
+                    if cos is None:
+                        cos, sin = self._cos_sin(h, positions)
                 q = k.rope_write_kv(
                     qkv,
                     cos,
@@ -230,18 +260,29 @@ class SmallBatchForward:
                 attn = ctx.backend.paged_attention(
                     q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
                 )
-            o = layer.o
-            h = k.fused_gemv(attn.view(t, -1), o.weight, bias=o.bias, residual=h, pdl=pdl)
+            o, attn = layer.o, attn.view(t, -1)
+            h = k.fused_gemv(attn, o.weight, bias=o.bias, residual=h, pdl=pdl)
+            if lora is not None:
+                _add_deltas(h, attn, [lora["o_proj"]])
             norm, gate_up, rows = layer.post_norm, layer.gate_up.weight, layer.gate_rows
-            act = k.fused_gemv(
-                h,
-                gate_up[:rows],
-                up_weight=gate_up[rows:],
-                norm_weight=norm.weight,
-                eps=norm.variance_epsilon,
-                pdl=pdl,
-            )
-            h = k.fused_gemv(act, layer.down.weight, bias=layer.down.bias, residual=h, pdl=pdl)
+            if lora is None or not (lora["gate_proj"] or lora["up_proj"]):
+                act = k.fused_gemv(
+                    h,
+                    gate_up[:rows],
+                    up_weight=gate_up[rows:],
+                    norm_weight=norm.weight,
+                    eps=norm.variance_epsilon,
+                    pdl=pdl,
+                )
+            else:  # the deltas before the activation: the ungated GEMV, then act(gate) * up
+                gu = k.fused_gemv(h, gate_up, norm_weight=norm.weight, eps=norm.variance_epsilon)
+                wrappers = [lora["gate_proj"], lora["up_proj"]]
+                _add_deltas(gu, norm(h), wrappers, layer.gate_up.sizes)
+                act = layer.mlp.act_fn(gu[:, :rows]) * gu[:, rows:]
+            down = layer.down
+            h_in, h = act, k.fused_gemv(act, down.weight, bias=down.bias, residual=h, pdl=pdl)
+            if lora is not None:
+                _add_deltas(h, h_in, [lora["down_proj"]])
         norm = self.base.norm
         return k.fused_gemv(
             h,
@@ -251,6 +292,43 @@ class SmallBatchForward:
             rows=keep,
             pdl=pdl,
         )
+
+
+def _lora_wrappers(layer: _Layer) -> dict | None:
+    """The layer's peft LoRA layers whose deltas apply in engine steps (routed: they hold the
+    slot buffers), by projection name; None when there are none. Looked up per call: peft may
+    wrap a projection for an adapter loaded while the engine runs."""
+    from hf_paged.lora.slots import A
+
+    found, any_ = {}, False
+    for holder, names in (
+        (layer.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+        (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
+    ):
+        for name in names:
+            m = getattr(holder, name)
+            live = (
+                hasattr(m, "lora_A")
+                and getattr(m, A, None) is not None
+                and not (m.disable_adapters or m.merged)
+            )
+            found[name] = m if live else None
+            any_ |= live
+    return found if any_ else None
+
+
+def _add_deltas(y: torch.Tensor, x: torch.Tensor, wrappers: list, sizes=None) -> None:
+    """y's column slices (sizes; one slice: all of y) += each LoRA layer's per-token delta of x
+    (the step's adapter slots), through the op the LoRA layers use (hf_paged.lora.layers)."""
+    from hf_paged.lora.layers import lora_add_
+    from hf_paged.lora.slots import SCALE, A, B
+
+    start = 0
+    for wrapper, size in zip(wrappers, sizes or [y.shape[-1]], strict=True):
+        if wrapper is not None:
+            part = y[:, start : start + size]
+            lora_add_(part, x, getattr(wrapper, A), getattr(wrapper, B), getattr(wrapper, SCALE))
+        start += size
 
 
 # Rotary types whose cos/sin depend on the position alone (dynamic NTK and longrope rescale with
