@@ -5,7 +5,8 @@ once, EOS ignored, prefix cache reset before each run): W1 (256 requests, prompt
 tokens, 256 new tokens) and R128 (128 requests, prompts 64-512, 128 new tokens), each in three
 modes: greedy; temperature 0.7, top-p 0.9, top-k 50; the same plus repetition penalty 1.1. Each
 sampling mode is printed as a ratio to greedy against the targets (>= 0.90 without the penalty,
->= 0.80 with it). Every mode is warmed up at its own options before the clock.
+>= 0.80 with it). Every mode is warmed up at its own options before the clock. --profile-steps N
+then runs N decode steps of each under torch.profiler and prints its ops by host and device time.
 
 Kernel part: the sampler's draw alone on [rows, vocab] bfloat16 logits (CUDA events, median of
 repeats): what the sampler runs (temperature 0.7, top-k 50, top-p 0.9 through
@@ -47,6 +48,12 @@ def add_parser(sub, common) -> None:
     p.add_argument("--no-engine", action="store_true", help="only the sampler alone")
     p.add_argument("--no-kernel", action="store_true", help="only the engine runs")
     p.add_argument("--kernel-rows", type=int, default=128)
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each timed run, N decode steps of it under torch.profiler: op tables",
+    )
     p.add_argument("--kernel-vocabs", default="151936,256000", help="comma list")
     p.set_defaults(run=cmd_sampling)
 
@@ -66,7 +73,7 @@ def cmd_sampling(args, save) -> int:
         print(tables[-1] + "\n", flush=True)
     if not args.no_engine:
         for shape in args.shapes.split(","):
-            result = engine_bench(shape, workloads, args.seed)
+            result = engine_bench(shape, workloads, args.seed, profile_steps=args.profile_steps)
             payload["engine"].append(result)
             tables.append(_engine_table(result))
             print(tables[-1] + "\n", flush=True)
@@ -101,7 +108,9 @@ def _timed(engine, prompts, params_list, tag) -> float:
     return out_tokens / (time.perf_counter() - t0)
 
 
-def engine_bench(shape: str, workloads: list[str], seed: int, device: str = "cuda") -> dict:
+def engine_bench(
+    shape: str, workloads: list[str], seed: int, device: str = "cuda", profile_steps: int = 0
+) -> dict:
     import hf_paged
     from hf_paged import SamplingParams
 
@@ -128,6 +137,9 @@ def engine_bench(shape: str, workloads: list[str], seed: int, device: str = "cud
             tok_s = _timed(engine, prompts, [params] * num, f"{wname}-{mode}")
             engine.reset_prefix_cache()
             result["runs"].append({"workload": wname, "mode": mode, "tok_s": tok_s})
+            if profile_steps:
+                _profile(engine, prompts, params, profile_steps, f"{shape} {wname} {mode}")
+                engine.reset_prefix_cache()
             print(f"  {shape} {wname} {mode}: {tok_s:,.0f} tok/s", flush=True)
     engine.check_invariants()
     engine.shutdown()
@@ -135,6 +147,33 @@ def engine_bench(shape: str, workloads: list[str], seed: int, device: str = "cud
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _profile(engine, prompts, params, steps: int, title: str) -> None:
+    """Where a decode step's time goes: every request of the workload decoding, `steps` steps
+    under torch.profiler; prints the ops by host time (launches, syncs, copies: what keeps the
+    host from running ahead) and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"prof-{title}-{i}")
+    while engine.scheduler.waiting:  # past the prompts, then a few steps more
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(engine.runner.device)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    table = prof.key_averages()
+    print(f"## profile {title}: {steps} decode steps, {ms:.2f} ms a step (under the profiler)")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25))
+    print(table.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _engine_table(result: dict) -> str:

@@ -189,10 +189,13 @@ class ModelRunner:
             # a decode graph this index_copy_ overwrites its greedy tokens in last_tokens.
             ib = self.input_batch
             rows = [ib.sampling[r] for r in step.rows[sample_idx].tolist()]
-            if step.features & F_STRUCTURED and self._pending is not None:
-                self._land(self._pending)  # grammar matchers need the previous step's tokens
-            sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
-            tokens_t = sampled.tokens
+            if graph_tokens is not None:  # rows the kernels take whole: a sampling graph
+                tokens_t = self.graphs.sampling.draw(logits, rows, (step.rows, ib.epoch[step.rows]))
+            if tokens_t is None:
+                if step.features & F_STRUCTURED and self._pending is not None:
+                    self._land(self._pending)  # grammar matchers need the last step's tokens
+                sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
+                tokens_t = sampled.tokens
             if self.config.async_scheduling:  # the next step may read them before the host does
                 if rows_t is None:  # (a decode graph's inputs hold them on the device already)
                     rows_t = to_device(step.rows[sample_idx], self.device)
