@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench, serve-soak, spec, quant-accuracy."""
+coverage, serve-bench, serve-soak, spec, sampling, quant-accuracy."""
 
 from __future__ import annotations
 
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     plots.add_argument("--out", default=str(RESULTS_DIR))
 
     from .quant_bench import add_parser as add_quant_bench
+    from .sampling_bench import add_parser as add_sampling_bench
     from .serve_bench import add_parser as add_serve_bench
     from .serve_soak import add_parser as add_serve_soak
     from .spec_bench import add_parser as add_spec_bench
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench(sub, _common)
     add_serve_soak(sub, _common)
     add_spec_bench(sub, _common)
+    add_sampling_bench(sub, _common)
     add_quant_bench(sub, _common)
     add_structured(sub, _common)
     add_structured_bench(sub, _common)

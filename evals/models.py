@@ -89,6 +89,33 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 32768,
         "rope_theta": 1000000.0,
     },
+    # vocabularies of 152k and 256k: where the sampler's cost shows (evals/sampling_bench.py)
+    "qwen3-1.7b": {
+        "arch": "qwen3",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+    },
+    # Gemma2Config's defaults are gemma-2-2b's: logit soft-caps 50/30, sliding window 4096
+    "gemma-2-2b": {
+        "arch": "gemma2",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+    },
 }
 DTYPES = {
     "float32": torch.float32,
@@ -128,12 +155,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_random_model(shape: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma2Config,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     kwargs = dict(SHAPES[shape])
     arch = kwargs.pop("arch")
     rope_theta = kwargs.pop("rope_theta")
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "gemma2": Gemma2Config,
+    }[arch]
     config = config_cls(
         **kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
     )

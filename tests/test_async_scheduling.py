@@ -117,12 +117,35 @@ def test_async_seeded_sampling_equals_sync(tiny_model):
     assert got == sync
 
 
+@pytest.mark.parametrize("opts", [OPTION_SETS[0], OPTION_SETS[2]])
+def test_async_penalties_equal_sync(tiny_model, opts, count_async_launches):
+    """Penalised requests run ahead of the host: the token still in flight is counted from the
+    device (read before the forward, which overwrites last_tokens in a decode graph), the host's
+    copy of it later is not counted twice; greedy and seeded sampling rows, every penalty."""
+    model = tiny_model("llama")
+    prompts = _prompts([12, 40, 5, 27], seed=8)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=4, ignore_eos=True,
+                       presence_penalty=0.8, frequency_penalty=0.5),
+        SamplingParams(max_tokens=18, temperature=0, ignore_eos=True, frequency_penalty=1.0),
+        SamplingParams(max_tokens=26, temperature=1.0, top_p=0.9, seed=9, ignore_eos=True,
+                       repetition_penalty=1.2, presence_penalty=0.3),
+    ]  # fmt: skip
+    sync, _ = _run(model, prompts, params, **opts)
+    count_async_launches["n"] = 0
+    got, eng = _run(model, prompts, params, async_scheduling=True, **opts)
+    assert got == sync
+    assert count_async_launches["n"] >= 24  # every decode step ran ahead
+    assert not eng.runner.input_batch.penalty_counts.slot_of  # every pool row released
+
+
 def test_requests_that_read_history_force_sync_steps(tiny_model, count_async_launches):
     model = tiny_model("llama")
     prompts = _prompts([20, 35, 8], seed=6)
     params = [
         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, no_repeat_ngram_size=2),
         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2),
     ]
     sync, _ = _run(model, prompts, params)

@@ -188,3 +188,25 @@ def test_abort_parent_before_fork_aborts_siblings(tiny_model):
     ]
     assert not engine.has_unfinished_requests()
     engine.check_invariants()
+
+
+def test_kernel_path_seeds_and_global_generator(tiny_model):
+    """Rows the sampling kernel takes (temperature/top-k/top-p/min-p, here with a penalty): a
+    seed repeats in any batch; rows without one follow torch's global generator."""
+    engine = Engine(tiny_model("llama"))
+    prompt = [7, 8, 9, 10]
+    opts = dict(max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02)
+    params = SamplingParams(**opts, repetition_penalty=1.1, seed=42)
+    alone = engine.generate([prompt], params)[0].output_token_ids
+    mixed = engine.generate(
+        [[3, 4], prompt, [5] * 30], [SamplingParams(max_tokens=5), params, SamplingParams(seed=1)]
+    )
+    assert mixed[1].output_token_ids == alone
+    other = SamplingParams(**opts, repetition_penalty=1.1, seed=43)
+    assert engine.generate([prompt], other)[0].output_token_ids != alone
+    unseeded = SamplingParams(**opts)
+    torch.manual_seed(0)
+    first = [o.output_token_ids for o in engine.generate([prompt, [3, 4]], unseeded)]
+    torch.manual_seed(0)
+    assert [o.output_token_ids for o in engine.generate([prompt, [3, 4]], unseeded)] == first
+    engine.check_invariants()

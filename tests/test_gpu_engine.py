@@ -330,3 +330,46 @@ def test_speculative_decoding_with_graphs_and_compile_fp32():
         assert torch.equal(out, ref), lengths
         assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_num_proposed"] > 0, stats
         assert replays["mixed"] > 0, replays  # verify steps replayed mixed-step graphs
+
+
+@pytest.mark.graphs
+@pytest.mark.parametrize(
+    "opts",
+    [dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=1.1, top_p=0.8, min_p=0.02)],
+    ids=["top-k list", "search"],
+)
+def test_sampling_graphs_change_no_seeded_output_fp32(opts):
+    # Decode steps whose rows all sample in the kernels draw in captured sampling graphs
+    # (hf_paged/worker/decode_sampling.py): seeded requests give the tokens of graphs off, the
+    # graphs were captured and replayed, and unseeded runs repeat under torch.manual_seed
+    from hf_paged import Engine, SamplingParams
+
+    model = _model(torch.float32)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (5, 40, 17, 300)]
+    seeded = [
+        SamplingParams(max_tokens=m, seed=7 + i, ignore_eos=True, **opts)
+        for i, m in enumerate((40, 12, 40, 40))  # one ends early: the rows change mid-run
+    ]
+    outs = {}
+    for name, engine_opts in (
+        ("plain", PLAIN),
+        ("graphs", {**PLAIN, "cuda_graphs": True}),
+        ("defaults", {}),
+    ):
+        eng = Engine(model, **engine_opts)
+        try:
+            outs[name] = [o.output_token_ids for o in eng.generate(prompts, seeded)]
+            if name != "plain":
+                sampling = eng.runner.graphs.sampling
+                assert sampling.captured and sampling.replays >= 30, name
+                unseeded = SamplingParams(max_tokens=24, ignore_eos=True, **opts)
+                runs = []
+                for seed in (0, 0):
+                    torch.manual_seed(seed)
+                    runs.append([o.output_token_ids for o in eng.generate(prompts, unseeded)])
+                assert runs[0] == runs[1], name
+            eng.check_invariants()
+        finally:
+            eng.shutdown()
+    assert outs["graphs"] == outs["plain"] and outs["defaults"] == outs["plain"]

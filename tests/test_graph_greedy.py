@@ -229,3 +229,22 @@ def test_prefix_hit_leaving_one_prompt_token_reads_the_sampled_tokens_next(tiny_
     eng.check_invariants()
     eng.shutdown()
     assert got == [want] * 3
+
+
+def test_async_penalties_count_the_sampled_token_not_the_graphs(tiny_model):
+    """A penalised sampling request under decode graphs, asynchronously: its in-flight token is
+    counted from last_tokens as copied before the replay (the graph writes its greedy tokens
+    there), so its tokens equal those without graphs."""
+    model = tiny_model("llama")
+    prompts = _prompts([9, 20, 4], seed=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    penalised = SamplingParams(
+        max_tokens=8, temperature=1.5, seed=5, ignore_eos=True, frequency_penalty=3.0,
+        repetition_penalty=2.0,
+    )  # fmt: skip
+    params = [greedy, penalised, greedy]
+    opts = dict(max_num_seqs=5, async_scheduling=True)
+    want, _ = _generate(model, prompts, params, graphs=False, **opts)
+    got, watch = _generate(model, prompts, params, graphs=True, **opts)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert watch.pending_decode_steps >= 5 and watch.sampled_after_decode == watch.decode_steps

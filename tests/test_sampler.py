@@ -5,12 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
-from hf_paged.sample.logits_processing import apply_top_k, apply_top_p
+from hf_paged.sample.logits_processing import TokenCountPool, apply_top_k, apply_top_p
 from hf_paged.sample.metadata import SamplingRow
 from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import SamplingParams
@@ -75,3 +79,73 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
     ]
     out = Sampler(torch.device("cpu"))(logits, reqs).tokens
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def _chi2_ok(counts: torch.Tensor, expected: torch.Tensor, n: int) -> bool:
+    assert counts[expected == 0].sum() == 0  # never a filtered token
+    keep = expected > 0
+    chi2 = (((counts[keep] - n * expected[keep]) ** 2) / (n * expected[keep])).sum().item()
+    dof = max(int(keep.sum()) - 1, 1)
+    return chi2 < dof + 5 * (2 * dof) ** 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, warpers",
+    [
+        (dict(top_k=9, min_p=0.05), [TopKLogitsWarper(9), MinPLogitsWarper(0.05)]),
+        (
+            dict(temperature=0.7, top_k=50, top_p=0.9),
+            [TemperatureLogitsWarper(0.7), TopKLogitsWarper(50), TopPLogitsWarper(0.9)],
+        ),
+        (dict(top_k=1000), []),  # top_k >= vocab: off
+        (dict(top_p=1.0, temperature=1.3), [TemperatureLogitsWarper(1.3)]),
+    ],
+)
+def test_torch_path_distribution(kwargs, warpers):
+    """The CPU path (sample_rows_ref through the Sampler) against transformers' warpers."""
+    torch.manual_seed(3)
+    vocab, n = 64, 20_000
+    logits = torch.randn(1, vocab) * 2
+    expected = LogitsProcessorList(warpers)(None, logits.clone()).softmax(-1)[0]
+    params = SamplingParams(**kwargs)
+    draws = Sampler(torch.device("cpu"))(logits.expand(n, -1).contiguous(), [_req(params)] * n)
+    assert _chi2_ok(torch.bincount(draws.tokens, minlength=vocab).float(), expected, n)
+
+
+def test_mixed_batch_with_penalty_seeds_and_slow_rows():
+    """Greedy, kernel-sampled, typical-p (full warpers) and penalised rows in one batch: each
+    row follows its own options; seeded rows repeat whatever shares their batch."""
+    torch.manual_seed(4)
+    vocab, n = 16, 6000
+    logits = torch.randn(1, vocab) * 1.5
+    pool = TokenCountPool(torch.device("cpu"))
+    rep = SamplingParams(repetition_penalty=1.8, top_k=10, temperature=0.8)
+    reps = [SamplingRow(f"p{i}", rep, None, [2, 5, 7], 3) for i in range(n)]
+    greedy = [_req(SamplingParams(temperature=0))]
+    typical = [_req(SamplingParams(typical_p=0.6)) for _ in range(n)]
+    rows = greedy + reps + typical
+    tokens = Sampler(torch.device("cpu"))(logits.expand(len(rows), -1).contiguous(), rows, pool)
+    tokens = tokens.tokens
+    assert tokens[0] == logits[0].argmax()
+    penalised = RepetitionPenaltyLogitsProcessor(1.8)(torch.tensor([[2, 5, 7]]), logits.clone())
+    exp_rep = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(10)])(
+        None, penalised
+    ).softmax(-1)[0]
+    assert _chi2_ok(torch.bincount(tokens[1 : n + 1], minlength=vocab).float(), exp_rep, n)
+    exp_typ = TypicalLogitsWarper(0.6)(None, logits.clone()).softmax(-1)[0]
+    assert _chi2_ok(torch.bincount(tokens[n + 1 :], minlength=vocab).float(), exp_typ, n)
+
+    def seeded(seed, others):
+        gen = torch.Generator().manual_seed(seed)
+        row = SamplingRow("s", SamplingParams(top_p=0.8, min_p=0.01), gen, [3], 1)
+        out = []
+        for step in range(8):
+            batch = [_req(SamplingParams(top_k=3)) for _ in range(others)] + [row]
+            x = torch.randn(len(batch), vocab, generator=torch.Generator().manual_seed(step))
+            x[-1] = logits[0]
+            out.append(Sampler(torch.device("cpu"))(x, batch).tokens[-1].item())
+        return out
+
+    alone = seeded(11, 0)
+    assert seeded(11, 5) == alone
+    assert seeded(12, 0) != alone or seeded(13, 0) != alone

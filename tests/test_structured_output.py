@@ -68,9 +68,9 @@ def constrained(max_tokens=80, temperature=0.7, seed=None, **kind):
 def pydantic_model():
     pydantic = pytest.importorskip("pydantic")
 
-    class Item(pydantic.BaseModel):
-        id: int
-        label: str
+    class Item(pydantic.BaseModel):  # bounded, so a sampled row always ends within its tokens
+        id: int = pydantic.Field(ge=0, le=999)
+        label: str = pydantic.Field(max_length=8)
 
     return Item
 

@@ -16,7 +16,14 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.core.request import Request
 from hf_paged.engine.stop_checker import build_stop_checkers
-from hf_paged.sampling_params import F_RENORM, F_STRUCTURED, F_WARP, SamplingParams
+from hf_paged.sampling_params import (
+    F_PRESENCE,
+    F_RENORM,
+    F_REPETITION,
+    F_STRUCTURED,
+    F_WARP,
+    SamplingParams,
+)
 
 
 class InputProcessor:
@@ -89,9 +96,10 @@ class InputProcessor:
         banned, bad_word_prefixes = token_bans(params, eos)
         # every sampling option that reads the token history on the host rules out running
         # ahead of the host (asynchronous scheduling); a grammar reads it too, but the runner
-        # lands the previous step's tokens for its matchers before sampling (model_runner.py)
+        # lands the previous step's tokens for its matchers before sampling (model_runner.py),
+        # and penalties count the token still in flight from the device (TokenCountPool.sync)
         async_ok = (
-            not params.features & ~(F_WARP | F_RENORM | F_STRUCTURED)
+            not params.features & ~(F_WARP | F_RENORM | F_STRUCTURED | F_REPETITION | F_PRESENCE)
             and not params.prompt_logprobs
             and params.n == 1
             and not params.prompt_lookup_num_tokens  # its proposals read the tokens

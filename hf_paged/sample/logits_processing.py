@@ -30,7 +30,7 @@ from hf_paged.sampling_params import (
     F_USER,
     F_WARP,
 )
-from hf_paged.worker.host_to_device import device_tensor
+from hf_paged.worker.host_to_device import device_rows, device_tensor
 
 NEG_INF = float("-inf")
 
@@ -126,6 +126,9 @@ class TokenCountPool:
         self._size(vocab_size)
         self.owners: list[SamplingRow | None] = []
         self.slot_of: dict[str, int] = {}  # request id -> its row
+        # this step's tokens sampled by the step before that the host has not read yet (device),
+        # copied by the runner before the forward overwrites them (SamplingRow.pending_index)
+        self.pending_tokens: torch.Tensor | None = None
 
     def _size(self, vocab_size: int) -> None:
         """The vocabulary is the logits' width (lm_head rows, which may pad the tokenizer's):
@@ -159,7 +162,7 @@ class TokenCountPool:
         request.penalty_num_counted = 0
         self.prompt_mask[slot] = False
         self.output_counts[slot] = 0
-        prompt = torch.tensor(request.prompt_token_ids, device=self.device)
+        prompt = device_tensor(request.prompt_token_ids, self.device)
         self.prompt_mask[slot, prompt.clamp(max=self.vocab_size - 1)] = True
         return slot
 
@@ -171,6 +174,7 @@ class TokenCountPool:
             self._size(vocab_size)
             self.owners = []
         slots, new_slots, new_tokens = [], [], []
+        pending_slots, pending_rows = [], []
         for r in requests:
             slot = r.penalty_slot
             if slot < 0 or slot >= len(self.owners) or self.owners[slot] is not r:
@@ -181,15 +185,23 @@ class TokenCountPool:
                 new_slots.extend([slot] * len(fresh))
                 new_tokens.extend(fresh)
                 r.penalty_num_counted += len(fresh)
+            if r.pending_index >= 0:  # the host lands it later: `start` then skips it
+                pending_slots.append(slot)
+                pending_rows.append(r.pending_index)
+                r.penalty_num_counted += 1
+                r.pending_index = -1
             slots.append(slot)
         if new_tokens:
-            idx = (
-                torch.tensor(new_slots, device=self.device),
-                torch.tensor(new_tokens, device=self.device).clamp(max=self.vocab_size - 1),
-            )
-            ones = torch.ones(len(new_tokens), dtype=torch.int32, device=self.device)
-            self.output_counts.index_put_(idx, ones, accumulate=True)
-        return torch.tensor(slots, device=self.device)
+            self._count(new_slots, device_tensor(new_tokens, self.device))
+        if pending_rows:
+            at = device_tensor(pending_rows, self.device)
+            self._count(pending_slots, self.pending_tokens.index_select(0, at))
+        return device_tensor(slots, self.device)
+
+    def _count(self, slots: list[int], tokens: torch.Tensor) -> None:
+        idx = (device_tensor(slots, self.device), tokens.clamp(max=self.vocab_size - 1))
+        ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
+        self.output_counts.index_put_(idx, ones, accumulate=True)
 
 
 def _apply_penalties(
@@ -198,6 +210,20 @@ def _apply_penalties(
     dev = scores.device
     reqs = [requests[i] for i in rows]
     slots = pool.sync(reqs, scores.shape[-1])
+    if dev.type == "cuda":  # one pass over the rows (kernels/penalties.py), same arithmetic
+        from hf_paged.kernels.penalties import apply_penalties  # see sampler.argmax
+
+        ps = [r.params for r in reqs]
+        values = device_rows(
+            [
+                [p.repetition_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+                [p.frequency_penalty for p in ps],
+            ],
+            dev,
+        )
+        idx = device_tensor(rows, dev)
+        return apply_penalties(scores, idx, slots, pool.output_counts, pool.prompt_mask, *values)
     counts = pool.output_counts.index_select(0, slots)
     idx = torch.tensor(rows, device=dev)
     sub = scores.index_select(0, idx)

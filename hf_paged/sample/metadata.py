@@ -40,6 +40,10 @@ class SamplingRow:
     ban_mask: torch.Tensor | None = None  # banned_token_ids as a bool [V] row, built on first use
     penalty_slot: int = -1  # row in the penalty TokenCountPool; -1 = none yet
     penalty_num_counted: int = 0  # output tokens already added to that row
+    # asynchronous scheduling: where this request's last sampled token is while the host has
+    # not read it, an index into TokenCountPool.pending_tokens (the penalties count it on the
+    # device), else -1; set by the runner for the step, consumed by the pool's sync
+    pending_index: int = -1
     ngram_index: dict | None = None  # (n-1)-gram -> tokens that followed it (no_repeat_ngram)
     ngram_num_indexed: int = 0
 

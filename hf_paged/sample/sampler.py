@@ -1,10 +1,15 @@
 """Token selection for one step's batch of logits rows.
 
-Raw logits -> hf_paged.sample.logits_processing (transformers' processors and warpers, per-row
-parameters) -> argmax for greedy rows, a categorical draw for sampling rows. A draw is
-argmax(probs / E) with E ~ Exponential(1) per vocabulary entry (an exact categorical sample);
-seeded requests draw E from their own generator, so their tokens do not depend on which other
-requests share the batch.
+Raw logits -> hf_paged.sample.logits_processing (penalties, bans, user processors, per-row
+parameters) -> argmax for greedy rows, a categorical draw for sampling rows.
+
+Sampling rows take kernels/sampling.py: temperature, top-k, top-p and min-p cut by a threshold
+search over the row (no sort of the vocabulary), then one draw by inverse CDF with one uniform
+per row; a seeded request draws its uniform from its own generator, so its tokens do not depend
+on which other requests share the batch, and unseeded rows draw from torch's global generator.
+On CPU the same rule runs in torch (sample_rows_ref). Rows with typical-p or output_scores
+(which return transformers' processed scores row) take the full warpers of logits_processing
+and a draw argmax(probs / E), E ~ Exponential(1) per entry.
 
 The sampler keeps nothing between calls: it reads the step's SamplingRows (sample/metadata.py,
 owned by the runner's input batch) and returns a SamplerOutput: the tokens, and what requests
@@ -22,9 +27,9 @@ import torch
 
 from hf_paged.sample.logits_processing import TokenCountPool, process_logits
 from hf_paged.sample.metadata import SamplerOutput, SamplingRow
-from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_STRUCTURED, F_WARP
+from hf_paged.sampling_params import F_BEAM, F_FORK, F_RECORD, F_RENORM, F_STRUCTURED, F_WARP
 from hf_paged.structured_output.logits_mask import GrammarBitmask, GrammarMask
-from hf_paged.worker.host_to_device import device_tensor
+from hf_paged.worker.host_to_device import device_rows, device_tensor
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +77,8 @@ class Sampler:
         return out
 
     def _sample(self, logits, rows, feats, any_feats, pool, out, grammar) -> torch.Tensor:
-        logits = logits.float()
+        if any_feats & ~(F_WARP | F_FORK) or any(not _kernel_ok(r) for r in rows if r.features):
+            logits = logits.float()  # the processors work in float32; the kernel reads any
         num_rows = len(rows)
         if any_feats & F_FORK:
             logits, rows, feats = _add_fork_rows(logits, rows, feats)
@@ -82,15 +88,30 @@ class Sampler:
                 grammar = self.grammar.prepare(rows, logits.shape[-1])
             failed.update(grammar.failed)
             self.grammar.apply(logits, grammar)
-        scores = process_logits(logits, rows, feats, any_feats, pool, failed)
+        # rows the kernel samples leave their warpers (and the renormalisation, which only
+        # shows in recorded scores, which these rows do not keep) to it
+        fast = [i for i, (r, f) in enumerate(zip(rows, feats)) if f & F_WARP and _kernel_ok(r)]
+        proc_feats = list(feats)
+        for i in fast:
+            proc_feats[i] &= ~(F_WARP | F_RENORM)
+        proc_any = 0
+        for f in proc_feats:
+            proc_any |= f
+        scores = process_logits(logits, rows, proc_feats, proc_any, pool, failed)
         if pool is not None:  # forked siblings' rows are one-off: they get a row of their own
             for sibling in rows[num_rows:]:
                 pool.release(sibling.req_id)
         out.failed = failed or None
-        tokens = argmax(scores)
-        if any_feats & F_WARP:
-            warped = [i for i, f in enumerate(feats) if f & F_WARP]
-            tokens = _draw(scores, rows, warped, tokens)
+        if len(fast) == len(rows):  # every row samples in the kernel: no argmax needed
+            tokens = draw_fast(scores, rows, fast, None)
+        else:
+            tokens = argmax(scores)
+            if any_feats & F_WARP:
+                warped = [i for i, f in enumerate(proc_feats) if f & F_WARP]
+                if warped:
+                    tokens = _draw(scores, rows, warped, tokens)
+                if fast:
+                    tokens = draw_fast(scores, rows, fast, tokens)
         if any_feats & F_RECORD:
             record(logits, scores, tokens, rows, feats, out)
         if len(rows) > num_rows:  # first tokens of forked siblings
@@ -129,6 +150,72 @@ def _add_fork_rows(logits, rows, feats):
             extra.append(sibling)
     logits = torch.cat([logits, logits[torch.tensor(src, device=logits.device)]])
     return logits, list(rows) + extra, feats + [r.features for r in extra]
+
+
+def _kernel_ok(row: SamplingRow) -> bool:
+    """A sampling row the kernel can take: typical-p needs its sort, and output_scores rows
+    return the processed scores row, which only the full warpers build."""
+    p = row.params
+    return p.typical_p == 1.0 and not p.output_scores
+
+
+def draw_fast(
+    scores: torch.Tensor, rows: list[SamplingRow], sel: list[int], tokens: torch.Tensor | None
+) -> torch.Tensor:
+    """Sample rows `sel` of scores (raw or processed logits, warpers not applied) with
+    kernels/sampling_topk.py (rows with a small top_k) and kernels/sampling.py (the others);
+    into tokens (None: sel is every row, in order)."""
+    dev = scores.device
+    ps = [rows[i].params for i in sel]
+    top_ks = [p.top_k for p in ps]
+    # one host-to-device copy for the four parameter rows (top_k exact in float32)
+    params = device_rows(
+        [[p.temperature for p in ps], top_ks, [p.top_p for p in ps], [p.min_p for p in ps]], dev
+    )
+    u = torch.rand(len(sel), device=dev)  # unseeded rows: the global generator
+    seeded = [(k, rows[i].generator) for k, i in enumerate(sel) if rows[i].generator is not None]
+    if seeded:
+        own = [torch.rand(1, generator=g, device=g.device).to(dev) for _, g in seeded]
+        u.index_copy_(0, device_tensor([k for k, _ in seeded], dev), torch.cat(own))
+    all_rows = tokens is None
+    sub = scores if all_rows else scores.index_select(0, device_tensor(sel, dev))
+    sampled = _draw_rows(sub, params, u, top_ks)
+    return sampled if all_rows else tokens.index_copy(0, device_tensor(sel, dev), sampled)
+
+
+def _draw_rows(
+    x: torch.Tensor,
+    params: list[torch.Tensor],
+    u: torch.Tensor,
+    top_ks: list[int],
+    kernels: bool | None = None,
+) -> torch.Tensor:
+    """One token per row of x: rows whose top_k the candidate list holds take
+    kernels/sampling_topk.py (torch.topk, then a draw over the row), the others
+    kernels/sampling.py (threshold searches). kernels (default: x on a GPU); False: the torch
+    reference, the CPU path."""
+    from hf_paged.kernels.sampling import sample_rows, sample_rows_ref  # see argmax()
+    from hf_paged.kernels.sampling_topk import TOPK_CAP, list_length, sample_rows_topk
+
+    temp, top_k, top_p, min_p = params
+    top_k = top_k.to(torch.int32)
+    if not (x.is_cuda if kernels is None else kernels):
+        return sample_rows_ref(x, temp, top_k, top_p, min_p, u)
+    vocab = x.shape[1]
+    short = [i for i, k in enumerate(top_ks) if 0 < k <= TOPK_CAP and list_length(k) <= vocab]
+    if not short:
+        return sample_rows(x, temp, top_k, top_p, min_p, u)
+    k_max = max(top_ks[i] for i in short)
+    if len(short) == len(top_ks):
+        return sample_rows_topk(x, temp, top_k, top_p, min_p, u, k_max)
+    listed = set(short)
+    rest = [i for i in range(len(top_ks)) if i not in listed]
+    out = torch.empty(len(top_ks), dtype=torch.long, device=x.device)
+    for group, fn, extra in ((short, sample_rows_topk, (k_max,)), (rest, sample_rows, ())):
+        idx = device_tensor(group, x.device)
+        args = [t.index_select(0, idx) for t in (x, temp, top_k, top_p, min_p, u)]
+        out.index_copy_(0, idx, fn(*args, *extra))
+    return out
 
 
 def _draw(scores: torch.Tensor, rows: list[SamplingRow], sel: list[int], tokens: torch.Tensor):
@@ -172,13 +259,16 @@ def record(
     chosen = [k for k, r in enumerate(kept_rows) if r.params.logprobs is not None]
     if chosen:
         at = idx[chosen]
-        logp = logits.index_select(0, at).log_softmax(dim=-1)
+        # log_softmax(x)[t] = x[t] - logsumexp(x): the [R, V] log-probabilities are never built,
+        # only the sampled token's and the top-n (top-n of x are top-n of log_softmax(x))
+        raw = logits.index_select(0, at).float()
+        lse = raw.logsumexp(dim=-1, keepdim=True)
         chosen_tokens = tokens.index_select(0, at)
         top_n = max(kept_rows[k].params.logprobs for k in chosen)
-        top = logp.topk(min(top_n, logp.shape[-1]), dim=-1) if top_n else None
-        own = logp.gather(-1, chosen_tokens[:, None])[:, 0].tolist()
+        top = raw.topk(min(top_n, raw.shape[-1]), dim=-1) if top_n else None
+        own = (raw.gather(-1, chosen_tokens[:, None]) - lse)[:, 0].tolist()
         chosen_tokens = chosen_tokens.tolist()
-        top_vals = top.values.tolist() if top is not None else None
+        top_vals = (top.values - lse).tolist() if top is not None else None
         top_ids = top.indices.tolist() if top is not None else None
         logprobs = {}
         for j, k in enumerate(chosen):

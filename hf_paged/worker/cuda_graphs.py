@@ -19,12 +19,14 @@ static numbers, so one graph serves every context length:
   the copy to the host (1.4 us), a second input copy and the gaps between them took ~26 us a
   step after the graph; with all of them inside it (argmax launched with PDL behind the lm_head
   GEMV) and the block table in the packed copy, ~9 us remain, and the 1.1B batch 1 went from
-  1,352-1,359 to 1,391-1,397 tok/s (2026-11-30, interleaved A/B). Any other batch goes through the
-  sampler, whose index_copy_ overwrites last_tokens for its rows after the graph (the
-  in-graph writes are then only wasted stores). A decode graph whose block table is packed
-  also moves its own inputs on by a token in that kernel, and the host skips the next step's
-  copy when its inputs are exactly those (same rows, positions one further, same blocks):
-  at batch 1 every step but about one in block_size (worker/graph_inputs.py).
+  1,352-1,359 to 1,391-1,397 tok/s (2026-11-30, interleaved A/B). A batch whose rows all sample in
+  the sampling kernels draws in a sampling graph of its own (worker/decode_sampling.py); any
+  other goes through the sampler. Either way an index_copy_ overwrites last_tokens for its
+  rows after the graph (the in-graph writes are then only wasted stores). A decode graph whose
+  block table is packed also moves its own inputs on by a token in that kernel, and the host
+  skips the next step's copy when its inputs are exactly those (same rows, positions one
+  further, same blocks): at batch 1 every step but about one in block_size
+  (worker/graph_inputs.py).
 - Mixed (any step with a prompt chunk or a multi-token query): the flat batch of T tokens is
   padded to the smallest token bucket >= T and its sequences to min(bucket, max_num_seqs) with
   empty ones (no new tokens: their attention programs exit at once). Padded tokens belong to no
@@ -52,6 +54,7 @@ from bisect import bisect_left
 import numpy as np
 import torch
 
+from hf_paged.worker.decode_sampling import DecodeSampling
 from hf_paged.worker.forward_context import (
     AttentionMetadata,
     ForwardContext,
@@ -134,6 +137,8 @@ class CudaGraphRunner:
         self.mixed_logits: torch.Tensor | None = None  # [max kept rows, vocab], shared
         self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
+        # decode steps whose rows all sample in the kernels draw in graphs of their own
+        self.sampling = DecodeSampling(self)
 
     # -- what each graph computes -----------------------------------------------------------
 

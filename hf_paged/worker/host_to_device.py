@@ -34,3 +34,17 @@ def device_tensor(values, device: torch.device) -> torch.Tensor:
     if array.dtype == np.float64:
         array = array.astype(np.float32)
     return to_device(array, device)
+
+
+def device_rows(rows, device: torch.device) -> list[torch.Tensor]:
+    """Equal-length float lists in one host-to-device copy, each returned as its own float32 [n]
+    tensor starting on a 16-byte boundary. Why: Triton specialises a kernel on each pointer
+    argument's 16-byte alignment, and the rows of a plain [k, n] tensor start at multiples of
+    n * 4 bytes, so a batch size not divisible by 4 compiled another variant of the sampling and
+    penalty kernels in the middle of a run (on a GPU, seconds each)."""
+    array = np.asarray(rows, dtype=np.float32)
+    k, n = array.shape
+    padded = np.zeros((k, -(-n // 4) * 4), dtype=np.float32)
+    padded[:, :n] = array
+    t = to_device(padded, device)
+    return [t[j, :n] for j in range(k)]

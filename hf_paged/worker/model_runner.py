@@ -21,7 +21,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.core.outputs import ModelRunnerOutput, ScheduledBatch
 from hf_paged.quantization.kv_cache import kv_cache_scales, kv_cache_torch_dtype
 from hf_paged.sample.sampler import Sampler
-from hf_paged.sampling_params import F_STRUCTURED
+from hf_paged.sampling_params import F_PRESENCE, F_REPETITION, F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.deferred_sampling import defer_sampling, forks
@@ -168,6 +168,8 @@ class ModelRunner:
             # the last step's sampling (structured output) is queued just before this step's
             # forward, after this step's host-side preparation (worker/deferred_sampling.py)
             deferred.launch()
+        if async_output and step.features & (F_REPETITION | F_PRESENCE):  # never a verify step
+            _take_pending_tokens(self.input_batch, self.last_tokens, step, kept.sample_idx)
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
@@ -201,10 +203,13 @@ class ModelRunner:
                     self, step, rows_logits, rows, rows_t, sample_idx, self._pending
                 )
                 return self._pending
-            if step.features & F_STRUCTURED and self._pending is not None:
-                self._land(self._pending)  # grammar matchers need the previous step's tokens
-            sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
-            tokens_t = sampled.tokens
+            if graph_tokens is not None:  # rows the kernels take whole: a sampling graph
+                tokens_t = self.graphs.sampling.draw(logits, rows, (step.rows, ib.epoch[step.rows]))
+            if tokens_t is None:
+                if step.features & F_STRUCTURED and self._pending is not None:
+                    self._land(self._pending)  # grammar matchers need the previous step's tokens
+                sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
+                tokens_t = sampled.tokens
             if self.config.async_scheduling:  # the next step may read them before the host does
                 if rows_t is None:  # (a decode graph's inputs hold them on the device already)
                     rows_t = to_device(row_ids, self.device)
@@ -362,3 +367,21 @@ class ModelRunner:
         overwrite step n's tokens before the host has read them."""
         self._host_flip ^= 1
         return self._host_tokens[self._host_flip][:n]
+
+
+def _take_pending_tokens(ib, last_tokens: torch.Tensor, step: StepInputs, sample_idx) -> None:
+    """Penalised rows whose input token (position seq_len - 1) the host has not read yet
+    (asynchronous scheduling): their penalty counts take it from last_tokens on the device,
+    copied now, before the forward (a decode graph overwrites last_tokens with its greedy
+    tokens)."""
+    rows = step.rows[sample_idx]
+    unknown = np.flatnonzero(ib.num_known[rows] < step.seq_lens[sample_idx])
+    chosen = []
+    for k in unknown.tolist():
+        r = ib.sampling[int(rows[k])]
+        if r.features & (F_REPETITION | F_PRESENCE):
+            r.pending_index = len(chosen)
+            chosen.append(int(rows[k]))
+    if chosen:
+        at = to_device(np.asarray(chosen), last_tokens.device)
+        ib.penalty_counts.pending_tokens = last_tokens.index_select(0, at)
