@@ -82,7 +82,8 @@ def test_deferred_sampling_matches_the_synchronous_engine_with_graphs():
         for s in (structured.SCHEMA, {"type": "array", "items": {"type": "integer"}})
     ]
     params += [SamplingParams(max_tokens=16, temperature=0)] * 2
-    params.append(SamplingParams(max_tokens=20, structured=StructuredOutputs(regex=r"[a-f]{6}")))
+    regex = StructuredOutputs(regex=r"[a-f]{6}")
+    params.append(SamplingParams(max_tokens=20, temperature=0, structured=regex))  # greedy too
     prompts = [f"prompt {i}" for i in range(len(params))]
     runs = []
     for async_scheduling in (False, True):
