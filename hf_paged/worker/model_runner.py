@@ -119,12 +119,8 @@ class ModelRunner:
         blocker = graph_blocker(self.model) if config.cuda_graphs else None
         if blocker is not None and self.device.type == "cuda":
             warnings.warn(f"hf_paged: CUDA graphs off: {blocker}", RuntimeWarning, stacklevel=2)
-        if (
-            self.device.type == "cuda"
-            and config.cuda_graphs
-            and self.backend.graph_safe
-            and blocker is None
-        ):
+        graphs_ok = config.cuda_graphs and self.backend.graph_safe and blocker is None
+        if self.device.type == "cuda" and graphs_ok:
             from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
             t0 = time.perf_counter()
