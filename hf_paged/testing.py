@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+import time
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -86,3 +87,14 @@ def drive_engine(engine, ops: list) -> dict[str, list[int]]:
         engine.check_invariants()
     engine.check_invariants()
     return tokens
+
+
+def check_served_idle(engine, front, timeout: float = 20.0) -> None:
+    """After a server test: wait until neither the engine nor the async front holds a request,
+    then check the engine's invariants and that every KV block is back in the pool."""
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests() or front.num_in_flight:
+        assert time.monotonic() < deadline, "requests left in the engine"
+        time.sleep(0.01)
+    engine.check_invariants()
+    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks

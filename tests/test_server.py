@@ -18,7 +18,7 @@ from hf_paged.engine.engine import Engine
 from hf_paged.entrypoints.api_server import build_app
 from hf_paged.entrypoints.server_thread import ServerThread
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.testing import tiny_tokenizer
+from hf_paged.testing import check_served_idle, tiny_tokenizer
 
 
 def build_model(arch: str):
@@ -66,9 +66,7 @@ def wait_idle(engine, front, timeout: float = 20.0) -> None:
 def nothing_left(served):
     yield
     engine, _, front = served
-    wait_idle(engine, front)
-    engine.check_invariants()
-    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
+    check_served_idle(engine, front)
     assert front.alive
 
 

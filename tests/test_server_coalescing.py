@@ -16,7 +16,7 @@ from hf_paged.engine.engine import Engine
 from hf_paged.entrypoints.api_server import build_app
 from hf_paged.entrypoints.async_engine import AsyncEngine
 from hf_paged.entrypoints.server_thread import ServerThread
-from hf_paged.testing import tiny_tokenizer
+from hf_paged.testing import check_served_idle, tiny_tokenizer
 
 MODEL = "tiny"
 OPTIONS = dict(num_blocks=128, max_num_seqs=8, max_model_len=128)
@@ -64,15 +64,6 @@ def streamed(stream):
     return texts, counts, tokens, usage
 
 
-def check_idle(engine, front) -> None:
-    deadline = time.monotonic() + 20
-    while engine.has_unfinished_requests() or front.num_in_flight:
-        assert time.monotonic() < deadline, "requests left in the engine"
-        time.sleep(0.01)
-    engine.check_invariants()
-    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
-
-
 KW = dict(max_tokens=MAX_TOKENS, logprobs=1, n=2, seed=5, extra_body={"ignore_eos": True})
 
 
@@ -88,7 +79,7 @@ def test_a_stream_behind_a_blocked_event_loop_gets_coalesced_deltas(engine):
         # the response has started; hold the event loop while the engine makes every token
         front._loop.call_soon_threadsafe(time.sleep, 1.5)
         texts, counts, tokens, usage = streamed(stream)
-        check_idle(engine, front)
+        check_served_idle(engine, front)
     for i in range(2):
         assert "".join(texts[i]) == want_texts[i]
         assert tokens[i] == want_tokens[i]
@@ -123,7 +114,7 @@ def test_paced_hand_offs_coalesce_and_equal_the_whole_response(engine):
             )  # fmt: skip
             if c.choices
         ]
-        check_idle(engine, front)
+        check_served_idle(engine, front)
     for i in range(2):
         assert "".join(texts[i]) == want_texts[i]
         assert tokens[i] == want_tokens[i]

@@ -7,7 +7,6 @@ more live adapters than max_loras is a 429; per-adapter counts in /metrics."""
 from __future__ import annotations
 
 import sys
-import time
 import urllib.request
 
 import openai
@@ -18,7 +17,7 @@ from hf_paged import Engine, SamplingParams
 from hf_paged.entrypoints.api_server import build_app
 from hf_paged.entrypoints.serve import build, build_parser, engine_options, load, main
 from hf_paged.entrypoints.server_thread import ServerThread
-from hf_paged.testing import tiny_tokenizer
+from hf_paged.testing import check_served_idle, tiny_tokenizer
 
 peft = pytest.importorskip("peft")
 
@@ -86,12 +85,7 @@ def nothing_left(request):
     if "served" not in request.fixturenames:
         return
     engine, _, front = request.getfixturevalue("served")
-    deadline = time.monotonic() + 20
-    while engine.has_unfinished_requests() or front.num_in_flight:
-        assert time.monotonic() < deadline, "requests left in the engine"
-        time.sleep(0.01)
-    engine.check_invariants()
-    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
+    check_served_idle(engine, front)
     assert front.alive
 
 
