@@ -46,6 +46,24 @@ def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "
     return models.build_random_model(shape, dtype, torch.device(device))
 
 
+def host_model(vocab_size: int) -> torch.nn.Module:
+    """A one-layer tiny Llama whose forward costs next to nothing: what is left of a step is the
+    engine's host work (host_overhead.py, structured_host_step.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
 def w1_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     """W1's prompts, from the harness's own workload definition (evals/workloads.py)."""
     return [r.prompt_token_ids for r in workloads.synthetic(vocab_size, seed=seed).requests]

@@ -21,6 +21,7 @@ import gc
 import importlib
 import time
 
+import bench_setup
 import torch
 
 PHASES = {  # phase -> (what owns it: an attribute of the engine, or a module; the function)
@@ -35,22 +36,11 @@ PHASES = {  # phase -> (what owns it: an attribute of the engine, or a module; t
 def measure(
     running: int = 256, steps: int = 100, prompt_len: int = 200, freeze: bool = True
 ) -> dict[str, float]:
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_paged import Engine, SamplingParams
     from hf_paged.gc_freeze import frozen_heap
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    engine = Engine(LlamaForCausalLM(cfg).eval(), max_num_seqs=running, num_blocks=20000)
+    engine = Engine(bench_setup.host_model(512), max_num_seqs=running, num_blocks=20000)
     params = SamplingParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
     for i in range(running):
         engine.add_request([(7 * i + j) % 500 + 3 for j in range(prompt_len)], params)
@@ -58,7 +48,7 @@ def measure(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()  # prefill with the real model
-    engine.runner.forward = lambda ids, pos, keep: torch.zeros(keep.shape[0], cfg.vocab_size)
+    engine.runner.forward = lambda ids, pos, keep: torch.zeros(keep.shape[0], 512)
     for _ in range(5):
         engine.step()
     spent = dict.fromkeys(PHASES, 0.0)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import defaultdict
 
-import bench_setup  # noqa: F401  (loads the evals package)
+import bench_setup
 import torch
 from hf_paged_evals.structured_bench import LONG_SCHEMA, bench_tokenizer
 
@@ -46,7 +46,6 @@ def wrap(owner, name: str, spent: dict, key: str) -> None:
 
 def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> dict[str, float]:
     import xgrammar
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_paged import Engine, SamplingParams, StructuredOutputs
     from hf_paged.gc_freeze import frozen_heap
@@ -55,18 +54,8 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
 
     vocab = 32000
     tok = bench_tokenizer(vocab)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
     engine = Engine(
-        LlamaForCausalLM(cfg).eval(), tok, max_num_seqs=running, num_blocks=4000,
+        bench_setup.host_model(vocab), tok, max_num_seqs=running, num_blocks=4000,
         async_scheduling=True,
     )  # fmt: skip
     budget = steps + 20
