@@ -11,9 +11,10 @@ token rate is the GPU's and not a CPU forward's.
 Per run: output tok/s, TPOT p50, TTFT p50, the engine's steps with the wall time and the engine
 thread's CPU time inside step() per step, and serve-bench's engine line (the steps while
 requests still arrived apart, the CPU seconds of the engine loop thread and the event loop, the
-garbage collector's pauses). A step that takes longer in the server than offline with the same
-CPU time in it is the engine waiting: for the GIL, or on a busy machine for a core. A 2-layer,
-64-wide Llama with a 256-token vocabulary stands in for the model.
+garbage collector's pauses); then the time in step() per step split into the engine thread's
+CPU, the stub's sleep, its wait for a core (Linux's run delay: a busy machine's) and what is
+left, its wait for the GIL. A 2-layer, 64-wide Llama with a 256-token vocabulary stands in for
+the model.
 """
 
 from __future__ import annotations
@@ -25,9 +26,49 @@ import time
 import torch
 
 
-def _stub_forward(gpu_s: float, per_token_s: float, vocab: int):
+class StepWaits:
+    """Inside Engine.step(), per step: wall, this thread's CPU, its wait for a core (Linux's
+    schedstat run delay) and the stub's nominal sleep; what is left is the wait for the GIL."""
+
+    def __init__(self) -> None:
+        self.steps, self.wall, self.cpu, self.core, self.sleep = 0, 0.0, 0.0, 0.0, 0.0
+
+    def wrap(self, step):
+        def timed(engine):
+            t, c, q = time.perf_counter(), time.thread_time(), _run_delay()
+            try:
+                return step(engine)
+            finally:
+                self.steps += 1
+                self.wall += time.perf_counter() - t
+                self.cpu += time.thread_time() - c
+                self.core += _run_delay() - q
+
+        return timed
+
+    def line(self) -> str:
+        n = max(self.steps, 1)
+        gil = self.wall - self.cpu - self.core - self.sleep
+        return (
+            f"in step() per step: {1000 * self.wall / n:.2f} ms = CPU {1000 * self.cpu / n:.2f} "
+            f"+ stub sleep {1000 * self.sleep / n:.2f} + waiting for a core "
+            f"{1000 * self.core / n:.2f} + for the GIL {1000 * gil / n:.2f}"
+        )
+
+
+def _run_delay() -> float:
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:  # not Linux: counted as GIL wait
+        return 0.0
+
+
+def _stub_forward(gpu_s: float, per_token_s: float, vocab: int, waits: list):
     def forward(self, model, ids, pos, keep):
-        time.sleep(gpu_s + per_token_s * ids.numel())  # without the GIL, as a GPU wait
+        wait = gpu_s + per_token_s * ids.numel()
+        waits[0].sleep += wait
+        time.sleep(wait)  # without the GIL, as a GPU wait
         p = pos[keep]
         logits = torch.zeros(p.shape[0], vocab)
         logits[torch.arange(p.shape[0]), p % (vocab - 16) + 8] = 1.0
@@ -55,13 +96,17 @@ def main(argv: list[str] | None = None) -> None:
     from hf_paged_evals.throughput import metrics
     from hf_paged_evals.workloads import Workload, WorkloadRequest
 
+    from hf_paged.engine.engine import Engine
     from hf_paged.worker.model_forward import ModelForward
 
     torch.set_num_threads(1)
     model, tokenizer = tiny_model()
+    waits = [StepWaits()]  # the current run's (the warm-ups' steps count in it too)
     ModelForward._call_model = _stub_forward(
-        args.gpu_ms / 1000, args.gpu_us_per_token / 1e6, model.config.vocab_size
+        args.gpu_ms / 1000, args.gpu_us_per_token / 1e6, model.config.vocab_size, waits
     )
+    step = Engine.step
+    Engine.step = lambda engine: waits[0].wrap(step)(engine)
     rng = random.Random(0)
     lo, hi = (int(v) for v in args.prompt_len.split(","))
     requests = [
@@ -87,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{1000 * off.wall_s / off.extra['num_steps']:.2f} ms/step (CPU "
         f"{1000 * off.extra['cpu_s'] / off.extra['num_steps']:.2f})"
     )
+    print("  " + waits[0].line())
     for interval in [float(v) for v in args.stream_interval_ms.split(",") if v]:
+        waits[0] = StepWaits()
         run = _server_run(model, tokenizer, wl, args.clients, options, False, interval)
         m = metrics(run)
         print(
@@ -96,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             f"({m['output_tok_s'] / base:.2f}x)"
         )
         print("  " + _engine_line(m_off, m)[2:])
+        print("  " + waits[0].line())
 
 
 if __name__ == "__main__":
