@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import EvalError
+from .thread_clock import GcPauses
 from .workloads import Workload
 
 BACKENDS = ("paged", "hf", "hf-cb")
@@ -141,7 +142,8 @@ def run_paged(
                 len(req.prompt_token_ids), 0, time.perf_counter() - t0, 0.0, 0.0
             )
 
-        with frozen_heap():  # as Engine.generate: no full collection of the old heap mid-run
+        cpu0 = time.thread_time()  # the engine's host work: all of it runs on this thread
+        with frozen_heap(), GcPauses() as gc_pauses:  # frozen as Engine.generate freezes it
             while pending or engine.has_unfinished_requests():
                 if pending and (not sequential or not engine.has_unfinished_requests()):
                     batch = pending[:1] if sequential else pending
@@ -157,6 +159,7 @@ def run_paged(
                         pbar.update(1)
         sync(device)
         wall = time.perf_counter() - t0
+        cpu_s = time.thread_time() - cpu0
         pbar.close()
         stats = engine.stats()
         peak, kind = _peak_memory(device)
@@ -190,6 +193,8 @@ def run_paged(
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "num_preemptions": stats.get("num_preemptions", 0) - stats0.get("num_preemptions", 0),
         "num_steps": stats.get("num_steps", 0) - stats0.get("num_steps", 0),
+        "cpu_s": cpu_s,  # this thread's CPU seconds in the timed run (the engine's host work)
+        "gc": gc_pauses.as_dict(),  # collections in the timed run, by thread
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
         "engine": engine_info,
     }

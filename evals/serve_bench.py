@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .backends import BackendRun, RequestTiming, _check_lengths, run_paged
 from .errors import EvalError
+from .thread_clock import GcPauses, thread_cpu_s
 from .throughput import _fmt, metrics
 
 HERE = Path(__file__).resolve().parent
@@ -102,23 +103,40 @@ def _server_run(
         app = build_app(engine, "bench", max_queued=len(wl.requests), **pacing)
         # frozen as `hf-paged serve` freezes its heap (and run_paged its run): no collection
         # scans the model's objects while the clock runs
-        with frozen_heap(), ServerThread(app) as server:
-            timings, wall = _clients(server.url, "bench", wl, clients, None)
-        stats = engine.stats()
         front = app.state.front
+        with frozen_heap(), ServerThread(app) as server, GcPauses() as gc_pauses:
+            threads = {"engine": front._thread, "loop": server.thread}
+            cpu0 = {k: thread_cpu_s(t) for k, t in threads.items()}
+            timings, wall = _clients(server.url, "bench", wl, clients, None)
+            cpu = {k: thread_cpu_s(t) - cpu0[k] for k, t in threads.items()}
+        stats = engine.stats()
     finally:
         engine.shutdown()
     extra = {
         "kv_usage": stats["peak_blocks_used"] / stats["num_blocks"],
         "engine_stats": stats,
-        # the engine loop thread: steps, time inside step(), hand-offs to the event loop
+        # the engine loop thread: steps, time and its CPU time inside step(), hand-offs to the
+        # event loop; and the steps taken until the last request arrived
         "num_steps": front.num_steps,
         "step_s": front.step_seconds,
+        "step_cpu_s": front.step_cpu_seconds,
         "num_handoffs": front.num_handoffs,
+        "arrivals": _arrivals(front),
+        "thread_cpu_s": cpu,  # CPU seconds of the engine loop thread and the event loop
+        "gc": gc_pauses.as_dict(),
     }
     run = BackendRun("server", clients, timings, wall, extra=extra)
     _check_lengths(run, wl)  # every token of every request reached its client
     return run
+
+
+def _arrivals(front) -> dict | None:
+    """The steps between the first request's arrival and the last one's: steps, time and CPU
+    time inside step(), and how long the requests took to arrive."""
+    if front.first_submit is None:
+        return None
+    (t0, n0, s0, c0), (t1, n1, s1, c1) = front.first_submit, front.last_submit
+    return {"span_s": t1 - t0, "num_steps": n1 - n0, "step_s": s1 - s0, "step_cpu_s": c1 - c0}
 
 
 def _clients(url: str, model: str, wl, clients: int, api_key: str | None):
@@ -243,16 +261,52 @@ def format_rows(desc: str, rows) -> str:
 
 
 def _engine_line(off: dict, srv: dict) -> str:
-    """Where the server's time went: its engine loop's steps (time inside step() per step, a
-    slowdown there is the engine waiting for the GIL) and its hand-offs to the event loop, next
-    to the offline engine's steps (its wall time per step: nothing else runs)."""
+    """Where the server's time went: its engine loop's steps (time inside step() per step, and
+    the engine thread's CPU time in it: the rest is waiting, for the device or for the GIL) and
+    its hand-offs to the event loop, next to the offline engine's steps (its wall time per step:
+    nothing else runs); the steps while requests still arrived apart; the threads' CPU seconds
+    and the garbage collector's pauses (every thread waits through one)."""
     o, s = off["extra"], srv["extra"]
     if not o.get("num_steps") or not s.get("num_steps"):
         return "- engine: step counts not recorded"
-    return (
+    line = (
         f"- engine: offline {o['num_steps']} steps, {1000 * off['wall_s'] / o['num_steps']:.2f} "
-        f"ms/step; server {s['num_steps']} steps, {1000 * s['step_s'] / s['num_steps']:.2f} ms "
-        f"in step() per step, {s['num_handoffs']} hand-offs to the event loop"
+        f"ms/step{_per_step(' (CPU ', o.get('cpu_s'), o['num_steps'], ')')}; server "
+        f"{s['num_steps']} steps, {1000 * s['step_s'] / s['num_steps']:.2f} ms in step() per "
+        f"step{_per_step(' (CPU ', s.get('step_cpu_s'), s['num_steps'], ')')}, "
+        f"{s['num_handoffs']} hand-offs to the event loop"
+    )
+    a = s.get("arrivals")
+    if a and a["num_steps"] and s["num_steps"] > a["num_steps"]:
+        n = s["num_steps"] - a["num_steps"]
+        line += (
+            f"; while requests arrived ({1000 * a['span_s']:.0f} ms): {a['num_steps']} steps, "
+            f"{1000 * a['step_s'] / a['num_steps']:.2f} ms in step() (CPU "
+            f"{1000 * a['step_cpu_s'] / a['num_steps']:.2f}), after: {n} steps, "
+            f"{1000 * (s['step_s'] - a['step_s']) / n:.2f} ms (CPU "
+            f"{1000 * (s['step_cpu_s'] - a['step_cpu_s']) / n:.2f})"
+        )
+    if s.get("thread_cpu_s"):
+        t = s["thread_cpu_s"]
+        line += f"; CPU s: engine thread {t['engine']:.2f}, event loop {t['loop']:.2f}"
+    if "gc" in o and "gc" in s:
+        line += f"; GC pauses: offline {_gc(o['gc'])}, server {_gc(s['gc'])}"
+    return line
+
+
+def _per_step(head: str, seconds: float | None, steps: int, tail: str) -> str:
+    return "" if seconds is None else f"{head}{1000 * seconds / steps:.2f} ms{tail}"
+
+
+def _gc(pauses: dict) -> str:
+    by, full = pauses["by_thread"], pauses["full"]
+    total = sum(v["seconds"] for v in by.values())
+    count = sum(v["count"] for v in by.values())
+    parts = ", ".join(f"{name} {1000 * v['seconds']:.0f}" for name, v in sorted(by.items()))
+    return (
+        f"{1000 * total:.0f} ms in {count}"
+        + (f" ({parts})" if len(by) > 1 else "")
+        + f", {full['count']} full: {1000 * full['seconds']:.0f} ms"
     )
 
 

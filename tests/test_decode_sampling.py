@@ -2,7 +2,8 @@
 (hf_paged/worker/decode_sampling.py), run without capture (CudaGraphRunner(eager=True)) on the
 CPU with the Triton kernels interpreted: seeded requests give the tokens of the engine without
 graphs (the sampler's path), for the candidate-list kernel, the search kernel, padded buckets and
-rows that change mid-run; batches the kernels cannot take whole go through the sampler; unseeded
+rows that change mid-run, penalised rows (their counts kept on the device, inside the graph);
+batches the kernels cannot take whole go through the sampler; unseeded
 runs repeat under torch.manual_seed. Capture and replay on a GPU: tests/test_gpu_engine.py."""
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ CASES = {
     # no row with a top_k: kernels/sampling.py
     "search": dict(top_p=0.8, min_p=0.02),
 }
+# penalties inside the sampling graph (worker/decode_penalties.py), strong enough to move tokens
+PENALTIES = {
+    "repetition": dict(top_k=20, repetition_penalty=1.8),
+    "presence + frequency": dict(top_p=0.9, presence_penalty=0.8, frequency_penalty=0.6),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -84,8 +90,6 @@ def test_batches_the_kernels_cannot_take_whole_use_the_sampler(tiny_model):
     cases = [
         # a top-k row and a row without one: two kernels
         _seeded([6, 6, 6], top_k=20)[:2] + _seeded([6], top_p=0.9),
-        # a repetition penalty
-        _seeded([6, 6, 6], top_k=20, repetition_penalty=1.3),
         # a greedy row beside sampling rows
         _seeded([6, 6], top_k=20) + [SamplingParams(max_tokens=6, temperature=0)],
     ]
@@ -94,6 +98,27 @@ def test_batches_the_kernels_cannot_take_whole_use_the_sampler(tiny_model):
         got, calls = _generate(model, prompts, params, graphs=True)
         assert got == want
         assert calls["graph draws"] == 0 and calls["sampler"] >= calls["decode replays"] >= 5
+
+
+@pytest.mark.parametrize("case", list(PENALTIES))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalised_decode_draws_in_the_graph_equal_the_sampler(tiny_model, case, async_scheduling):
+    model = tiny_model("llama")
+    # batch 3 padded to 4; the middle request ends early (the rows change mid-run); the last
+    # row has no penalty (identity values in the graph, its tokens not counted)
+    prompts = _prompts([9, 20, 4], seed=5)
+    plain = {k: v for k, v in PENALTIES[case].items() if not k.endswith("_penalty")}
+    params = _seeded([8, 3], **PENALTIES[case]) + _seeded([8, 8, 8], **plain)[2:]
+    opts = dict(async_scheduling=async_scheduling)
+    want, _ = _generate(model, prompts, params, graphs=False, **opts)
+    got, calls = _generate(model, prompts, params, graphs=True, **opts)
+    assert got == want
+    assert [len(t) for t in got] == [8, 3, 8]
+    assert calls["graph draws"] == calls["decode replays"] >= 6
+    assert calls["sampler"] == 1
+    # the penalties moved the tokens: a graph that ignored them would differ
+    unpenalised, _ = _generate(model, prompts, _seeded([8, 3, 8], **plain), True, **opts)
+    assert got[0] != unpenalised[0]
 
 
 def test_unseeded_draws_follow_torch_manual_seed(tiny_model):
@@ -122,10 +147,12 @@ def test_graph_kernel_choice():
     assert graph_kernel(mixed_k, vocab) == list_length(300)
     assert graph_kernel([_row(temperature=0.7, top_p=0.9), _row(min_p=0.1)], vocab) == 0
     assert graph_kernel([_row(temperature=0.7, top_k=vocab)], vocab) == 0  # k off: search
+    penalised = [_row(temperature=0.7, top_k=50, repetition_penalty=1.1), _row(top_k=8)]
+    assert graph_kernel(penalised, vocab) == list_length(50)
+    assert graph_kernel([_row(temperature=0.7, presence_penalty=0.5)], vocab) == 0
     refused = [
         [_row(temperature=0.7, top_k=50), _row(temperature=0.7)],  # two kernels
         [_row(temperature=0)],  # greedy
-        [_row(temperature=0.7, top_k=50, repetition_penalty=1.1)],
         [_row(temperature=0.7, typical_p=0.9)],
         [_row(temperature=0.7, logprobs=1)],
         [_row(temperature=0.7, output_scores=True)],

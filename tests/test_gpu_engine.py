@@ -335,8 +335,14 @@ def test_speculative_decoding_with_graphs_and_compile_fp32():
 @pytest.mark.graphs
 @pytest.mark.parametrize(
     "opts",
-    [dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=1.1, top_p=0.8, min_p=0.02)],
-    ids=["top-k list", "search"],
+    [
+        dict(temperature=0.7, top_k=50, top_p=0.9),
+        dict(temperature=1.1, top_p=0.8, min_p=0.02),
+        # penalties inside the sampling graph, from device-resident counts
+        dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.3),
+        dict(temperature=1.1, top_p=0.8, presence_penalty=0.6, frequency_penalty=0.4),
+    ],
+    ids=["top-k list", "search", "top-k list + repetition", "search + presence/frequency"],
 )
 def test_sampling_graphs_change_no_seeded_output_fp32(opts):
     # Decode steps whose rows all sample in the kernels draw in captured sampling graphs
@@ -363,6 +369,8 @@ def test_sampling_graphs_change_no_seeded_output_fp32(opts):
             if name != "plain":
                 sampling = eng.runner.graphs.sampling
                 assert sampling.captured and sampling.replays >= 30, name
+                penalised = [k for k in sampling.captured if k[2] is not None]
+                assert bool(penalised) == ("penalty" in str(opts)), (name, list(sampling.captured))
                 unseeded = SamplingParams(max_tokens=24, ignore_eos=True, **opts)
                 runs = []
                 for seed in (0, 0):
@@ -373,3 +381,34 @@ def test_sampling_graphs_change_no_seeded_output_fp32(opts):
         finally:
             eng.shutdown()
     assert outs["graphs"] == outs["plain"] and outs["defaults"] == outs["plain"]
+
+
+@pytest.mark.graphs
+def test_penalised_sampling_graphs_follow_a_growing_pool_fp32():
+    # 24 penalised requests admitted over several steps: the penalty pool grows (8, 16, 32 rows)
+    # while decode steps draw in captured sampling graphs, which are captured again on the new
+    # tensors; seeded tokens equal the engine without graphs
+    from hf_paged import Engine, SamplingParams
+
+    model = _model(torch.float32)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in range(40, 520, 20)]
+    seeded = [
+        SamplingParams(
+            max_tokens=24, seed=i, ignore_eos=True, temperature=0.8, top_k=40,
+            repetition_penalty=1.2, frequency_penalty=0.3,
+        )
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    outs = {}
+    for name, engine_opts in (("plain", PLAIN), ("defaults", {"max_num_batched_tokens": 1024})):
+        eng = Engine(model, **engine_opts)
+        try:
+            outs[name] = [o.output_token_ids for o in eng.generate(prompts, seeded)]
+            if name != "plain":
+                sampling = eng.runner.graphs.sampling
+                assert sampling.replays >= 10 and eng.runner.input_batch.penalty_counts.owners
+            eng.check_invariants()
+        finally:
+            eng.shutdown()
+    assert outs["defaults"] == outs["plain"]

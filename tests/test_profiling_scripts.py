@@ -51,9 +51,15 @@ def test_concurrent_generate_compares_threads_with_one_thread_on_the_cpu():
 
 def test_serve_overhead_runs_offline_and_the_server_on_a_stubbed_forward():
     args = ["--clients", "4", "--new-tokens", "6", "--gpu-ms", "1", "--stream-interval-ms", "0,5"]
+    args += ["--gpu-us-per-token", "5", "--prompt-len", "30,40"]
     text = _run(str(PROFILING / "serve_overhead.py"), *args)
     lines = text.splitlines()
-    assert lines[0].startswith("4 streams x 6 tokens")
+    assert lines[0].startswith("4 streams x 6 tokens, forward stub 1.0 ms + 5.0 us/token")
     assert lines[1].startswith("offline") and "tok/s" in lines[1]
     servers = [line for line in lines if line.startswith("server")]
-    assert len(servers) == 2 and all("hand-offs" in line and "x)" in line for line in servers)
+    assert len(servers) == 2 and all("TTFT p50" in line and "x)" in line for line in servers)
+    engine = [line for line in lines if line.startswith("  engine: offline")]
+    assert len(engine) == 2 and all("hand-offs" in e and "GC pauses" in e for e in engine)
+    # the time in step() split: offline's, then each server run's
+    waits = [line for line in lines if line.startswith("  in step() per step: ")]
+    assert len(waits) == 3 and all("for the GIL" in w for w in waits)

@@ -32,9 +32,20 @@ def test_serve_bench_tiny(tmp_path, capsys):
         # of a hand-off (0 ms pacing: one per step that made tokens, at most)
         steps = server["extra"]["num_steps"]
         assert steps >= 5 and 1 <= server["extra"]["num_handoffs"] <= steps
-        assert server["extra"]["step_s"] > 0
-        assert runs["offline"]["extra"]["num_steps"] >= 5
+        assert server["extra"]["step_s"] >= server["extra"]["step_cpu_s"] > 0
+        # where the host time went: the threads' CPU seconds, the steps while requests
+        # arrived (a part of all of them), the collector's pauses on both sides
+        assert server["extra"]["thread_cpu_s"]["engine"] >= server["extra"]["step_cpu_s"]
+        assert server["extra"]["thread_cpu_s"]["loop"] > 0
+        arrivals = server["extra"]["arrivals"]
+        assert 0 <= arrivals["num_steps"] <= steps and arrivals["span_s"] >= 0
+        assert 0 <= arrivals["step_cpu_s"] <= server["extra"]["step_cpu_s"]
+        offline = runs["offline"]["extra"]
+        assert offline["num_steps"] >= 5 and offline["cpu_s"] > 0
+        for side in (offline, server["extra"]):
+            assert set(side["gc"]) == {"by_thread", "full"}
     assert out.count("- engine: offline") == 2
+    assert out.count("; GC pauses: offline ") == 2 and "; CPU s: engine thread " in out
 
 
 def test_serve_bench_bad_engine_option(tmp_path, capsys):

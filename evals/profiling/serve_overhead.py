@@ -1,33 +1,74 @@
 """What the OpenAI server costs the engine, on any machine: the offline engine and the server
 (uvicorn's event loop and the engine loop thread in one process, the clients in another, as
 `run.py serve-bench` runs them) on many short streams, with the model's forward replaced by a
-stub that sleeps --gpu-ms without the GIL (a GPU step's wait) and picks a token from the
-position, so the token rate is the GPU's and not a CPU forward's.
+stub that sleeps without the GIL (a GPU step's wait: --gpu-ms a step plus --gpu-us-per-token for
+each token it computes, so prefill steps cost more) and picks a token from the position, so the
+token rate is the GPU's and not a CPU forward's.
 
     python evals/profiling/serve_overhead.py [--clients 256] [--new-tokens 128] [--gpu-ms 2]
-        [--stream-interval-ms 0.5,0]
+        [--gpu-us-per-token 0] [--prompt-len 8,24] [--stream-interval-ms 0.5,0]
 
-Per run: output tok/s, TPOT p50, the engine's steps and wall time inside step() per step, and
-the CPU seconds of the engine loop thread, the event loop thread and the client process. A step
-that takes longer in the server than offline is the engine waiting (for the GIL, or on a busy
-machine for a core): compare with the threads' CPU seconds. A 2-layer, 64-wide Llama with a
-256-token vocabulary stands in for the model.
+Per run: output tok/s, TPOT p50, TTFT p50, the engine's steps with the wall time and the engine
+thread's CPU time inside step() per step, and serve-bench's engine line (the steps while
+requests still arrived apart, the CPU seconds of the engine loop thread and the event loop, the
+garbage collector's pauses); then the time in step() per step split into the engine thread's
+CPU, the stub's sleep, its wait for a core (Linux's run delay: a busy machine's) and what is
+left, its wait for the GIL. A 2-layer, 64-wide Llama with a 256-token vocabulary stands in for
+the model.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import resource
 import time
 
 import torch
 
 
-def _stub_forward(gpu_s: float, vocab: int):
+class StepWaits:
+    """Inside Engine.step(), per step: wall, this thread's CPU, its wait for a core (Linux's
+    schedstat run delay) and the stub's nominal sleep; what is left is the wait for the GIL."""
+
+    def __init__(self) -> None:
+        self.steps, self.wall, self.cpu, self.core, self.sleep = 0, 0.0, 0.0, 0.0, 0.0
+
+    def wrap(self, step):
+        def timed(engine):
+            t, c, q = time.perf_counter(), time.thread_time(), _run_delay()
+            try:
+                return step(engine)
+            finally:
+                self.steps += 1
+                self.wall += time.perf_counter() - t
+                self.cpu += time.thread_time() - c
+                self.core += _run_delay() - q
+
+        return timed
+
+    def line(self) -> str:
+        n = max(self.steps, 1)
+        gil = self.wall - self.cpu - self.core - self.sleep
+        return (
+            f"in step() per step: {1000 * self.wall / n:.2f} ms = CPU {1000 * self.cpu / n:.2f} "
+            f"+ stub sleep {1000 * self.sleep / n:.2f} + waiting for a core "
+            f"{1000 * self.core / n:.2f} + for the GIL {1000 * gil / n:.2f}"
+        )
+
+
+def _run_delay() -> float:
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:  # not Linux: counted as GIL wait
+        return 0.0
+
+
+def _stub_forward(gpu_s: float, per_token_s: float, vocab: int, waits: list):
     def forward(self, model, ids, pos, keep):
-        time.sleep(gpu_s)  # releases the GIL, as a wait for the GPU does
+        wait = gpu_s + per_token_s * ids.numel()
+        waits[0].sleep += wait
+        time.sleep(wait)  # without the GIL, as a GPU wait
         p = pos[keep]
         logits = torch.zeros(p.shape[0], vocab)
         logits[torch.arange(p.shape[0]), p % (vocab - 16) + 8] = 1.0
@@ -36,73 +77,73 @@ def _stub_forward(gpu_s: float, vocab: int):
     return forward
 
 
-def _thread_cpu_s(native_id: int) -> float:
-    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--gpu-ms", type=float, default=2.0, help="the stub's GIL-free wait per step")
+    p.add_argument(
+        "--gpu-us-per-token", type=float, default=0.0,
+        help="and per token the step computes (prefill; W1 on the H200: ~2.6)",
+    )  # fmt: skip
+    p.add_argument("--prompt-len", default="8,24", help="prompt tokens: MIN,MAX (W1: 66,511)")
     p.add_argument("--stream-interval-ms", default="0.5,0", help="server runs: a comma list")
     args = p.parse_args(argv)
 
     import bench_setup  # noqa: F401 (evals/ as the package hf_paged_evals)
     from hf_paged_evals.backends import run_paged
-    from hf_paged_evals.serve_bench import _server_run, tiny_model
+    from hf_paged_evals.serve_bench import _engine_line, _server_run, tiny_model
     from hf_paged_evals.throughput import metrics
     from hf_paged_evals.workloads import Workload, WorkloadRequest
 
-    from hf_paged.entrypoints.async_engine import AsyncEngine
-    from hf_paged.entrypoints.server_thread import ServerThread
+    from hf_paged.engine.engine import Engine
     from hf_paged.worker.model_forward import ModelForward
 
     torch.set_num_threads(1)
     model, tokenizer = tiny_model()
-    ModelForward._call_model = _stub_forward(args.gpu_ms / 1000, model.config.vocab_size)
+    waits = [StepWaits()]  # the current run's (the warm-ups' steps count in it too)
+    ModelForward._call_model = _stub_forward(
+        args.gpu_ms / 1000, args.gpu_us_per_token / 1e6, model.config.vocab_size, waits
+    )
+    step = Engine.step
+    Engine.step = lambda engine: waits[0].wrap(step)(engine)
     rng = random.Random(0)
+    lo, hi = (int(v) for v in args.prompt_len.split(","))
     requests = [
-        WorkloadRequest([rng.randrange(3, 256) for _ in range(rng.randint(8, 24))], args.new_tokens)
+        WorkloadRequest(
+            [rng.randrange(3, 256) for _ in range(rng.randint(lo, hi))], args.new_tokens
+        )
         for _ in range(args.clients)
     ]
     wl = Workload("short", requests, "short prompts", None, {})
     options = {"verify_model": False}  # the stub is not the model the check would compare
 
-    cpu: dict[str, float] = {}
-    shutdown, stop = AsyncEngine.shutdown, ServerThread.stop
-
-    def engine_shutdown(self):
-        cpu["engine"] = _thread_cpu_s(self._thread.native_id)
-        shutdown(self)
-
-    def server_stop(self):
-        cpu["loop"] = _thread_cpu_s(self.thread.native_id)
-        stop(self)
-
-    AsyncEngine.shutdown, ServerThread.stop = engine_shutdown, server_stop
-
     off = run_paged(model, wl, args.clients, options, False)
-    m = metrics(off)
-    base = m["output_tok_s"]
-    print(f"{args.clients} streams x {args.new_tokens} tokens, forward stub {args.gpu_ms} ms")
+    off.backend = "offline"
+    m_off = metrics(off)
+    base = m_off["output_tok_s"]
     print(
-        f"offline                 {base:9,.0f} tok/s  TPOT p50 {m['tpot_p50_ms']:6.2f} ms  "
-        f"{off.extra['num_steps']} steps, {1000 * off.wall_s / off.extra['num_steps']:.2f} ms/step"
+        f"{args.clients} streams x {args.new_tokens} tokens, forward stub {args.gpu_ms} ms + "
+        f"{args.gpu_us_per_token} us/token"
     )
+    print(
+        f"offline                 {base:9,.0f} tok/s  TPOT p50 {m_off['tpot_p50_ms']:6.2f} ms  "
+        f"TTFT p50 {m_off['ttft_p50_ms']:7.1f} ms  {off.extra['num_steps']} steps, "
+        f"{1000 * off.wall_s / off.extra['num_steps']:.2f} ms/step (CPU "
+        f"{1000 * off.extra['cpu_s'] / off.extra['num_steps']:.2f})"
+    )
+    print("  " + waits[0].line())
     for interval in [float(v) for v in args.stream_interval_ms.split(",") if v]:
-        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+        waits[0] = StepWaits()
         run = _server_run(model, tokenizer, wl, args.clients, options, False, interval)
-        m, x = metrics(run), run.extra
-        clients = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - children
+        m = metrics(run)
         print(
             f"server {interval:5.2f} ms/stream {m['output_tok_s']:9,.0f} tok/s  TPOT p50 "
-            f"{m['tpot_p50_ms']:6.2f} ms  {x['num_steps']} steps, "
-            f"{1000 * x['step_s'] / x['num_steps']:.2f} ms in step(), {x['num_handoffs']} "
-            f"hand-offs  ({m['output_tok_s'] / base:.2f}x)  CPU s: engine {cpu['engine']:.2f} "
-            f"loop {cpu['loop']:.2f} clients {clients:.2f}"
+            f"{m['tpot_p50_ms']:6.2f} ms  TTFT p50 {m['ttft_p50_ms']:7.1f} ms  "
+            f"({m['output_tok_s'] / base:.2f}x)"
         )
+        print("  " + _engine_line(m_off, m)[2:])
+        print("  " + waits[0].line())
 
 
 if __name__ == "__main__":

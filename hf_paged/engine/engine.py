@@ -294,12 +294,12 @@ class Engine:
         self,
         prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        coalesce: bool = False,
     ) -> RequestStream:
-        """Queue every prompt and return an iterator that steps the engine and yields a
-        RequestOutput each time one of these requests gets a token (new_token_ids holds it;
-        finished=True on its last), many requests interleaved. `.request_ids` lists them in input
-        order (siblings of n > 1 after their first). Closing the iterator early aborts its
-        unfinished requests; bad input raises ValueError before anything is queued."""
+        """Queue every prompt; an iterator that steps the engine and yields a RequestOutput each
+        time one of these requests gets a token (new_token_ids; finished=True on its last), many
+        interleaved. `.request_ids`: input order (siblings of n > 1 after their first). Closing
+        it early aborts the unfinished ones; bad input raises ValueError, nothing queued."""
         if isinstance(prompts, (str, torch.Tensor)):
             raise ValueError("prompts must be a list of prompts (a list of one for one prompt)")
         if params is None or isinstance(params, SamplingParams):
@@ -310,7 +310,7 @@ class Engine:
         # every prompt validated before any is queued; a group is one prompt and its siblings
         groups = [self.inputs.make_requests(prompt, p) for prompt, p in zip(prompts, params)]
         requests = [r for group in groups for r in group]
-        stream = RequestStream(self, [r.request_id for r in requests])
+        stream = RequestStream(self, [r.request_id for r in requests], coalesce)
         self._submit(requests, partial(self._admit_groups, groups), stream)
         return stream
 

@@ -2,9 +2,11 @@
 
 The engine loop is a thread that calls Engine.step() while requests are live and sleeps
 otherwise. Each HTTP request is one Engine.stream() (one engine request per prompt, plus its
-n - 1 siblings); its outputs land in the stream's buffer during the step. One
-call_soon_threadsafe wakes every coroutine whose stream got something since the last hand-off,
-and a coroutine drains all its outputs at once (one SSE chunk however many tokens).
+n - 1 siblings); its outputs land in the stream's buffer during the step. At a hand-off, one
+call_soon_threadsafe wakes every coroutine whose stream holds outputs (the engine thread looks at
+the live streams then, not at every output of every step: the step loop's own work per step is
+the offline engine's plus the routing into buffers), and a coroutine drains all its outputs at
+once (one SSE chunk however many tokens).
 
 The two threads share the GIL, and the event loop's work per hand-off grows with the number of
 live streams (an event, a write per stream: ~256 of them at a full batch), while the engine's
@@ -96,14 +98,20 @@ class RequestHandle:
     def _wake(self) -> None:  # on the event loop, after a step delivered to our stream
         self._event.set()
 
+    def _take(self) -> list[RequestOutput]:
+        """The outputs delivered so far; a finished one goes to the front's hooks (metrics)."""
+        outs = self.stream.poll()
+        for out in outs:
+            if out.finished:
+                self._unfinished.discard(out.request_id)
+                self.front._finished(out, self.model_name)
+        return outs
+
     async def next_outputs(self) -> list[RequestOutput]:
         """Wait for outputs, then return every one delivered so far ([] once all finished)."""
         while True:
-            outs = self.stream.poll()
+            outs = self._take()
             if outs:
-                for out in outs:
-                    if out.finished:
-                        self._unfinished.discard(out.request_id)
                 if self.finished:
                     self.front._release(self)
                 return outs
@@ -127,6 +135,7 @@ class RequestHandle:
         """Abort whatever is unfinished and forget the handle (idempotent)."""
         if self.closed:
             return
+        self._take()  # requests that ended but were not read yet still count (metrics)
         self.stream.close()
         self._unfinished.clear()
         self.front._release(self)
@@ -153,7 +162,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         # metrics hooks: hook(output, the served model name its request asked for)
         self.on_finished: list[Callable[[RequestOutput, str | None], None]] = []
-        self._handles: dict[str, RequestHandle] = {}  # request id -> handle (read by the loop)
+        # live handles (the loop thread adds and removes; the engine thread reads a snapshot)
+        self._handles: set[RequestHandle] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -162,10 +172,13 @@ class AsyncEngine:
         # what the loop thread did (benchmarks tell an engine slowed by the GIL from lag after)
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside Engine.step()
+        self.step_cpu_seconds = 0.0  # the engine thread's CPU time inside Engine.step()
         self.num_handoffs = 0
-        # filled by the engine thread between hand-offs: handles woken, finished outputs
-        self._woken: dict[int, RequestHandle] = {}
-        self._finished: list[tuple[RequestOutput, str | None]] = []
+        self._routed = False  # a step returned outputs since the last hand-off (engine thread)
+        # (time.perf_counter(), num_steps, step_seconds, step_cpu_seconds) at the first and the
+        # latest submit: a benchmark splits the steps taken while requests still arrived
+        self.first_submit: tuple | None = None
+        self.last_submit: tuple | None = None
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -189,7 +202,7 @@ class AsyncEngine:
         if self._short_switch:
             self._short_switch = False
             _switch_interval.release()
-        for handle in list(self._handles.values()):
+        for handle in list(self._handles):
             handle.close()
 
     @property
@@ -211,12 +224,18 @@ class AsyncEngine:
                 f"the server has {self.num_in_flight} sequences in flight, at most "
                 f"{self.capacity} (max_num_seqs + max_queued); retry later"
             )
-        stream = self.engine.stream(list(prompts), params)
+        stream = self.engine.stream(list(prompts), params, coalesce=True)
         handle = RequestHandle(self, stream, model_name)
         self.num_in_flight += len(handle.request_ids)
         self.num_handles += 1
-        for rid in handle.request_ids:
-            self._handles[rid] = handle
+        self._handles.add(handle)
+        self.last_submit = (
+            time.perf_counter(),
+            self.num_steps,
+            self.step_seconds,
+            self.step_cpu_seconds,
+        )
+        self.first_submit = self.first_submit or self.last_submit
         self._wake.set()
         return handle
 
@@ -226,8 +245,11 @@ class AsyncEngine:
         handle.closed = True
         self.num_in_flight -= len(handle.request_ids)
         self.num_handles -= 1
-        for rid in handle.request_ids:
-            self._handles.pop(rid, None)
+        self._handles.discard(handle)
+
+    def _finished(self, out: RequestOutput, model_name: str | None) -> None:
+        for hook in self.on_finished:
+            hook(out, model_name)
 
     # -- the loop thread ---------------------------------------------------------------------------
 
@@ -238,7 +260,7 @@ class AsyncEngine:
             self._wake.wait()
             self._wake.clear()  # before the check: a submit after it sets it again
             while not self._stopping and engine.has_unfinished_requests():
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time()
                 try:
                     outputs = engine.step()
                 except BaseException as exc:  # the engine is in an unknown state: stop serving
@@ -247,39 +269,34 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._fail_all, exc)
                     return
                 self.step_seconds += time.perf_counter() - t
+                self.step_cpu_seconds += time.thread_time() - cpu
                 self.num_steps += 1
-                self._collect(outputs)
+                self._routed |= bool(outputs)
                 now = time.monotonic()
                 if now >= next_handoff:
                     self._handoff()
                     next_handoff = now + self.stream_interval_s * self.num_handles
             self._handoff()  # idle (or stopping): nothing waits for a later step
 
-    def _collect(self, outputs: list[RequestOutput]) -> None:
-        handles = self._handles
-        for out in outputs:
-            handle = handles.get(out.request_id)
-            if handle is not None:
-                self._woken[id(handle)] = handle
-                if out.finished:
-                    self._finished.append((out, handle.model_name))
-
     def _handoff(self) -> None:
-        """Wake, on the event loop, every handle that got outputs since the last hand-off."""
-        if self._woken or self._finished:
-            woken, finished = list(self._woken.values()), self._finished
-            self._woken, self._finished = {}, []
+        """Wake, on the event loop, every live handle whose stream holds outputs, if a step
+        routed any since the last hand-off."""
+        if not self._routed:
+            return
+        self._routed = False
+        # tuple(): a snapshot taken in one C call under the GIL (the loop thread adds and
+        # removes handles meanwhile)
+        woken = [h for h in tuple(self._handles) if h.stream.has_outputs]
+        if woken:
             self.num_handoffs += 1
-            self._loop.call_soon_threadsafe(self._deliver, woken, finished)
+            self._loop.call_soon_threadsafe(self._deliver, woken)
 
-    def _deliver(self, handles: list[RequestHandle], finished: list[tuple]) -> None:
+    @staticmethod
+    def _deliver(handles: list[RequestHandle]) -> None:
         for handle in handles:
             handle._wake()
-        for out, model_name in finished:
-            for hook in self.on_finished:
-                hook(out, model_name)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for handle in list(self._handles.values()):
+        for handle in list(self._handles):
             handle.error = exc
             handle._wake()

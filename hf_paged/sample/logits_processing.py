@@ -21,6 +21,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_paged.sample.metadata import SamplingRow
+from hf_paged.sample.token_counts import TokenCountPool  # noqa: F401 (re-exported)
 from hf_paged.sampling_params import (
     F_BAN,
     F_NGRAM,
@@ -112,96 +113,6 @@ def apply_warpers(
 
 
 # -- penalties -------------------------------------------------------------------------------------
-
-
-class TokenCountPool:
-    """Per-request token statistics for penalties, one row per request that uses them:
-    prompt_mask[slot, v] (v occurs in the prompt) and output_counts[slot, v] (times v was
-    generated). A row is claimed on a request's first penalised step and released when the
-    request leaves the running set (the runner's InputBatch.release: finished, aborted, failed,
-    preempted, rewritten); a SamplingRow built anew for the same request claims a fresh row."""
-
-    def __init__(self, device: torch.device, vocab_size: int = 0) -> None:
-        self.device = device
-        self._size(vocab_size)
-        self.owners: list[SamplingRow | None] = []
-        self.slot_of: dict[str, int] = {}  # request id -> its row
-        # this step's tokens sampled by the step before that the host has not read yet (device),
-        # copied by the runner before the forward overwrites them (SamplingRow.pending_index)
-        self.pending_tokens: torch.Tensor | None = None
-
-    def _size(self, vocab_size: int) -> None:
-        """The vocabulary is the logits' width (lm_head rows, which may pad the tokenizer's):
-        known at the first penalised step."""
-        self.vocab_size = vocab_size
-        self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
-        self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=self.device)
-
-    def release(self, request_id: str) -> None:
-        slot = self.slot_of.pop(request_id, None)
-        if slot is not None:
-            self.owners[slot] = None
-
-    def _claim(self, request: SamplingRow) -> int:
-        self.release(request.req_id)
-        for slot, owner in enumerate(self.owners):
-            if owner is None:
-                break
-        else:
-            slot = len(self.owners)
-            grow = max(8, slot)
-            self.owners.extend([None] * grow)
-            v = self.vocab_size
-            self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(grow, v)])
-            self.output_counts = torch.cat(
-                [self.output_counts, self.output_counts.new_zeros(grow, v)]
-            )
-        self.owners[slot] = request
-        self.slot_of[request.req_id] = slot
-        request.penalty_slot = slot
-        request.penalty_num_counted = 0
-        self.prompt_mask[slot] = False
-        self.output_counts[slot] = 0
-        prompt = device_tensor(request.prompt_token_ids, self.device)
-        self.prompt_mask[slot, prompt.clamp(max=self.vocab_size - 1)] = True
-        return slot
-
-    def sync(self, requests: list[SamplingRow], vocab_size: int) -> torch.Tensor:
-        """Bring the rows of these requests up to date; returns their slots (int64 [R])."""
-        if vocab_size != self.vocab_size:
-            if self.slot_of:
-                raise RuntimeError("penalty counts: the vocabulary size changed")
-            self._size(vocab_size)
-            self.owners = []
-        slots, new_slots, new_tokens = [], [], []
-        pending_slots, pending_rows = [], []
-        for r in requests:
-            slot = r.penalty_slot
-            if slot < 0 or slot >= len(self.owners) or self.owners[slot] is not r:
-                slot = self._claim(r)
-            start = r.num_prompt_tokens + r.penalty_num_counted
-            fresh = r.token_ids[start:]  # usually the one token sampled last step
-            if fresh:
-                new_slots.extend([slot] * len(fresh))
-                new_tokens.extend(fresh)
-                r.penalty_num_counted += len(fresh)
-            if r.pending_index >= 0:  # the host lands it later: `start` then skips it
-                pending_slots.append(slot)
-                pending_rows.append(r.pending_index)
-                r.penalty_num_counted += 1
-                r.pending_index = -1
-            slots.append(slot)
-        if new_tokens:
-            self._count(new_slots, device_tensor(new_tokens, self.device))
-        if pending_rows:
-            at = device_tensor(pending_rows, self.device)
-            self._count(pending_slots, self.pending_tokens.index_select(0, at))
-        return device_tensor(slots, self.device)
-
-    def _count(self, slots: list[int], tokens: torch.Tensor) -> None:
-        idx = (device_tensor(slots, self.device), tokens.clamp(max=self.vocab_size - 1))
-        ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
-        self.output_counts.index_put_(idx, ones, accumulate=True)
 
 
 def _apply_penalties(

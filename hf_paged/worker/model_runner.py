@@ -78,6 +78,7 @@ class ModelRunner:
         self.spec = None
         # asynchronous scheduling: the launched step whose tokens the host has not read yet
         self._pending: PendingOutput | None = None
+        self.steps = 0  # steps executed (a sampling graph's penalty counts follow runs of them)
         self.forward = ModelForward(model, config, self.backend.name)
         try:
             self._start(config)
@@ -157,6 +158,7 @@ class ModelRunner:
         """Run the step. async_output: return as soon as the GPU work is queued, with a
         PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
         deferred = self._pending if self._pending and self._pending.deferred else None
+        self.steps += 1
         self._update_rows(batch)
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
@@ -165,7 +167,7 @@ class ModelRunner:
             # forward, after this step's host-side preparation (worker/deferred_sampling.py)
             deferred.launch()
         if async_output and step.features & (F_REPETITION | F_PRESENCE):  # never a verify step
-            _take_pending_tokens(self.input_batch, self.last_tokens, step, kept.sample_idx)
+            _take_pending_tokens(self, step, kept.sample_idx)
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
@@ -229,9 +231,7 @@ class ModelRunner:
             tokens = tokens_t.tolist() if tokens_t is not None else []
         if tokens:
             self._add_tokens(step.rows[sample_idx], step.seq_lens[sample_idx], tokens)
-        extra = {}
-        if sampled is not None:
-            extra = sampled.runner_output_fields()
+        extra = sampled.runner_output_fields() if sampled is not None else {}
         proposals = None
         if self.spec is not None and sample_rows:
             proposals = self.spec.propose(batch, step, sample_idx, None)
@@ -365,19 +365,25 @@ class ModelRunner:
         return self._host_tokens[self._host_flip][:n]
 
 
-def _take_pending_tokens(ib, last_tokens: torch.Tensor, step: StepInputs, sample_idx) -> None:
+def _take_pending_tokens(runner: ModelRunner, step: StepInputs, sample_idx) -> None:
     """Penalised rows whose input token (position seq_len - 1) the host has not read yet
-    (asynchronous scheduling): their penalty counts take it from last_tokens on the device,
-    copied now, before the forward (a decode graph overwrites last_tokens with its greedy
-    tokens)."""
+    (asynchronous scheduling) and whose counts do not hold it (a sampling graph counts its draws
+    itself): their penalty counts take it from last_tokens on the device, copied now, before the
+    forward (a decode graph overwrites last_tokens with its greedy tokens)."""
+    ib = runner.input_batch
+    pool = ib.penalty_counts
+    if runner.graphs is not None and runner.graphs.sampling.continues(step.rows, ib.epoch):
+        return  # the step before drew these rows in the sampling graph and counted their tokens
+    pool.settle()
     rows = step.rows[sample_idx]
-    unknown = np.flatnonzero(ib.num_known[rows] < step.seq_lens[sample_idx])
+    seq_lens = step.seq_lens[sample_idx]
+    unknown = np.flatnonzero(ib.num_known[rows] < seq_lens)
     chosen = []
     for k in unknown.tolist():
         r = ib.sampling[int(rows[k])]
-        if r.features & (F_REPETITION | F_PRESENCE):
+        if r.features & (F_REPETITION | F_PRESENCE) and not pool.counted_before(r, seq_lens[k]):
             r.pending_index = len(chosen)
             chosen.append(int(rows[k]))
     if chosen:
-        at = to_device(np.asarray(chosen), last_tokens.device)
-        ib.penalty_counts.pending_tokens = last_tokens.index_select(0, at)
+        at = to_device(np.asarray(chosen), runner.device)
+        pool.pending_tokens = runner.last_tokens.index_select(0, at)
