@@ -41,7 +41,10 @@ def test_greedy_parity_against_fp8_rounded_reference(arch, kv, tiny_model, batch
     )
     assert torch.equal(out, ref)
     assert len(scales) == model.config.num_hidden_layers
-    assert all(0 < s < float("inf") for pair in scales for s in pair)
+    heads = model.config.num_key_value_heads
+    for pair in scales:  # calibrated: one scale per KV head
+        for s in pair:
+            assert s.shape == (heads,) and bool(((s > 0) & s.isfinite()).all())
     # the rounding is real: plain transformers differs somewhere for e5m2's 2-bit mantissa
     if kv == "fp8_e5m2" and arch == "llama":
         plain = model.generate(
@@ -65,8 +68,26 @@ def test_calibrated_scales_cover_the_calibration_activations(tiny_model):
     amax = _calibrate(model)
     fmax = FP8_MAX[torch.float8_e4m3fn]
     for layer, (k_scale, v_scale) in enumerate(scales):
-        assert k_scale == pytest.approx(HEADROOM * amax[layer][0] / fmax)
-        assert v_scale == pytest.approx(HEADROOM * amax[layer][1] / fmax)
+        torch.testing.assert_close(k_scale, HEADROOM * amax[layer][0] / fmax)
+        torch.testing.assert_close(v_scale, HEADROOM * amax[layer][1] / fmax)
+    assert amax[0][0].shape == (model.config.num_key_value_heads,)  # per KV head
+
+
+def test_per_head_scales_follow_each_head(tiny_model, batch_factory):
+    # one KV head's keys 1000x smaller than the others': its scale follows it (a per-layer
+    # scale would put them near the subnormals), and the output still equals the reference
+    model = tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+    head_dim = attn.head_dim
+    with torch.no_grad():
+        attn.k_proj.weight[:head_dim] *= 1e-3
+    ids, mask = batch_factory([6, 25])
+    out, ref, scales, _ = paged_and_reference(
+        model, ids, mask, {"kv_cache_dtype": "fp8_e4m3"}, max_new_tokens=10
+    )
+    assert torch.equal(out, ref)
+    k_scale = scales[1][0]
+    assert 300 < float(k_scale[1:].min() / k_scale[0]) < 3000
 
 
 def test_given_scale_used_for_every_layer(tiny_model, batch_factory):
