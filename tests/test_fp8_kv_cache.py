@@ -185,10 +185,11 @@ def test_fp8_kv_on_gpu_graphs_parity_and_twice_the_blocks(tiny_model, batch_fact
     # exact parity; then a bf16 model: twice the blocks in the same gpu_memory_utilization
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in batch_factory(LENGTHS))
-    out, ref, _, _ = paged_and_reference(
+    out, ref, scales, _ = paged_and_reference(
         model, ids, mask, {"kv_cache_dtype": "fp8_e4m3"}, max_new_tokens=24
     )
     assert torch.equal(out, ref)
+    assert scales[0][0].is_cuda and scales[0][0].shape == (model.config.num_key_value_heads,)
     bf16 = tiny_model("llama", dtype=torch.bfloat16).cuda()
     blocks = {}
     for kv in ("auto", "fp8_e4m3"):
@@ -196,3 +197,43 @@ def test_fp8_kv_on_gpu_graphs_parity_and_twice_the_blocks(tiny_model, batch_fact
         blocks[kv] = eng.runner.num_blocks
         eng.shutdown()
     assert 1.95 <= blocks["fp8_e4m3"] / blocks["auto"] <= 2.05, blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fold_head_scales_equals_attention_over_rounded_kv(dtype):
+    # grouped-query attention (4 query heads per KV head) over per-head FP8-rounded K/V
+    # against the same attention with the scales folded into queries and outputs
+    from hf_paged.kernels.kv_write import quantize_ref
+
+    from hf_paged.quantization.kv_cache import fold_head_scales
+    from hf_paged.quantization.kv_reference import round_like_cache
+
+    gen = torch.Generator().manual_seed(0)
+    t, hkv, group, d = 12, 2, 4, 16
+    q = torch.randn(t, hkv * group, d, generator=gen).to(dtype)
+    k = (torch.randn(t, hkv, d, generator=gen) * torch.tensor([0.01, 3.0])[:, None]).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    k_scale, v_scale = torch.tensor([0.01, 3.0]) * 4 / 448, torch.tensor([0.02, 0.05])
+    fp8 = torch.float8_e4m3fn
+
+    def attend(q, k, v):  # [T, H, D] in float32, causal, K/V repeated per query group
+        k, v = (x.float().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k, v, is_causal=True
+        )
+        return out.transpose(0, 1)
+
+    # the reference rounds [batch, heads, tokens, dim]: the transformers layout
+    k_hat, v_hat = (
+        round_like_cache(x.transpose(0, 1)[None], fp8, s)[0].transpose(0, 1)
+        for x, s in ((k, k_scale), (v, v_scale))
+    )
+    ref = attend(q, k_hat, v_hat)
+    q2, k2, v2, out_scale = fold_head_scales(q, k, v, k_scale, v_scale)
+    k8, v8 = (quantize_ref(x, fp8, 1.0).float() for x in (k2, v2))
+    got = attend(q2, k8, v8) * out_scale
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    # per head: the small head's keys use the format's range (under the layer's largest scale
+    # they would sit near 1, among the subnormals' neighbours)
+    assert float(k8[:, 0].abs().max()) > 50

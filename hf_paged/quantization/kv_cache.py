@@ -91,7 +91,8 @@ def fold_head_scales(q, k, v, k_scale: torch.Tensor, v_scale: torch.Tensor):
     group = q.shape[1] // k.shape[1]
     k = k.float() * (1.0 / k_scale)[:, None]
     v = v.float() * (1.0 / v_scale)[:, None]
-    q = q * k_scale.repeat_interleave(group)[:, None].to(q.dtype)
+    # in float32: a bf16 copy of the scale would scale every logit of the head by its rounding
+    q = (q.float() * k_scale.repeat_interleave(group)[:, None]).to(q.dtype)
     return q, k, v, v_scale.repeat_interleave(group)[:, None]
 
 

@@ -356,7 +356,7 @@ def _paged_attention(
         alibi_slopes=alibi,
     )
     if out_scale is not None:
-        out = out * out_scale.to(out.dtype)
+        out = (out.float() * out_scale).to(out.dtype)
     return out.contiguous()
 
 
