@@ -50,6 +50,7 @@ def _fp8_gemv_kernel(
     stride_xm,
     stride_wn,
     stride_sn,
+    stride_sk,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -73,7 +74,7 @@ def _fp8_gemv_kernel(
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
-        s = tl.load(scale_ptr + offs_n * stride_sn + k0 // BLOCK_K, mask=n_ok, other=0.0)
+        s = tl.load(scale_ptr + offs_n * stride_sn + (k0 // BLOCK_K) * stride_sk, mask=n_ok)
         acc += part * s[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -84,7 +85,7 @@ def _fp8_gemv_kernel(
 def fp8_gemv(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     weight: torch.Tensor,  # float8_e4m3fn [N, K]
-    scale: torch.Tensor,  # float32 [N, ceil(K / 128)]
+    scale: torch.Tensor,  # float32 [N, ceil(K / 128)], any strides
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """Triton version of `fp8_gemv_ref` for at most MAX_ROWS rows."""
@@ -96,7 +97,7 @@ def fp8_gemv(
         raise ValueError(f"weight must be float8_e4m3fn and scale float32, got {weight.dtype}")
     n, k = weight.shape
     blocks = triton.cdiv(k, SCALE_BLOCK)
-    if scale.shape != (n, blocks) or scale.stride(1) != 1:
+    if scale.shape != (n, blocks):
         raise ValueError(
             f"scale must be [N={n}, ceil(K / {SCALE_BLOCK})={blocks}], got {scale.shape}"
         )
@@ -123,6 +124,7 @@ def fp8_gemv(
         xk.stride(0),
         weight.stride(0),
         scale.stride(0),
+        scale.stride(1),
         out.stride(0),
         BLOCK_M=16,
         BLOCK_N=block_n,

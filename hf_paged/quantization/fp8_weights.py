@@ -39,11 +39,22 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight [N, K], float32 scale [N, ceil(K / 128)]) with
-    weight[n, k] ~= w8[n, k] * scale[n, k // 128]."""
+    weight[n, k] ~= w8[n, k] * scale[n, k // 128]. The scale is stored N-major (strides
+    (1, N)): the layout the blockwise scaled_mm reads, and the GEMV's loads of one block's
+    scales for consecutive rows are contiguous."""
     w = _blocks(weight.detach().float())
     scale = w.abs().amax(dim=2).clamp(min=1e-12) / FP8_MAX
     w8 = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return w8.view(weight.shape[0], -1)[:, : weight.shape[1]].contiguous(), scale
+    w8 = w8.view(weight.shape[0], -1)[:, : weight.shape[1]].contiguous()
+    return w8, _outer_major(scale)
+
+
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """[R, B] with strides (1, R), copied only when not so already (a row slice of a fused
+    projection's scales)."""
+    if scale.stride(0) == 1 and (scale.shape[1] == 1 or scale.stride(1) == scale.shape[0]):
+        return scale
+    return scale.t().contiguous().t()
 
 
 def _blockwise_scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,20 +71,15 @@ def _blockwise_scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _blockwise_scaled_mm(x, weight, scale, bias):
     import torch.nn.functional as F
 
-    # dynamic activation scales, one per token and 128 columns (as the weight's blocks)
+    # dynamic activation scales, one per token and 128 columns (as the weight's blocks),
+    # computed M-major ([M, K / 128] with strides (1, M)): the layout cuBLASLt reads
     m, k = x.shape
     xb = x.view(m, k // SCALE_BLOCK, SCALE_BLOCK).float()
-    x_scale = (xb.abs().amax(dim=2) / FP8_MAX).clamp(min=1e-12)
+    x_scale = (xb.transpose(0, 1).abs().amax(dim=2) / FP8_MAX).clamp(min=1e-12).t()
     x8 = (xb / x_scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
     block = F.ScalingType.BlockWise1x128
     out = F.scaled_mm(
-        x8,
-        weight.t(),
-        x_scale.t().contiguous().t(),  # the scales outer-dimension-major, as cuBLASLt reads them
-        block,
-        scale.t().contiguous().t(),
-        block,
-        output_dtype=x.dtype,
+        x8, weight.t(), x_scale, block, _outer_major(scale), block, output_dtype=x.dtype
     )
     return out if bias is None else out + bias
 
@@ -129,7 +135,7 @@ class Fp8Linear(nn.Module):
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.shape
         layer.weight = nn.Parameter(weight, requires_grad=False)
-        layer.register_buffer("weight_scale", scale)
+        layer.register_buffer("weight_scale", _outer_major(scale))  # a slice: its own copy
         layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return layer
 
