@@ -4,7 +4,7 @@ Each weight [N, K] becomes float8_e4m3fn with one float32 scale per block of 128
 of each output row (scale [N, ceil(K / 128)], block amax / 448: FineGrainedFP8's 1x128 blocks), and
 the original weight is released. Blocks rather than whole rows: each block's largest weight maps
 exactly onto 448, and on SmolLM2-135M the perplexity cost of FP8 weights fell from +2.27% (per
-row) to about +1.5% (docs/quantization.md). The product y = x @ dequantised(w8).T (+ bias) is
+row) to +1.52% (docs/quantization.md). The product y = x @ dequantised(w8).T (+ bias) is
 computed by `fp8_linear` three ways:
   - CPU, or shapes no FP8 kernel takes: weight-only, the weight dequantised to the activations'
     dtype (kernels/fp8_gemv.py's fp8_gemv_ref);

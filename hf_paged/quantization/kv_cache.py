@@ -10,12 +10,11 @@ kernels/paged_attention.py). Scales are either
     and |V|, and the scale maps HEADROOM times that onto the format's largest value, so
     activations up to HEADROOM times the calibration's are stored unclipped (larger ones
     saturate). Per head rather than per layer: on SmolLM2-135M the perplexity cost of an e4m3
-    cache fell from +1.36% (per layer) to about +0.8% (docs/quantization.md; the loss is K's,
-    V's rounding costs nothing measurable there). The kernels take one scale per layer, so
-    `fold_head_scales` applies per-head scales around them: K and V divided by their heads'
-    scales before the write (kernel scale 1), each query head times its KV head's k_scale
-    (q.(s k) = (s q).k) and each output head times its KV head's v_scale (sum_j p_j s v_j =
-    s sum_j p_j v_j).
+    cache fell from +1.36% (per layer) to +0.86% (docs/quantization.md). The kernels take one
+    scale per layer, so `fold_head_scales` applies per-head scales around them: K and V divided
+    by their heads' scales before the write (kernel scale 1), each query head times its KV
+    head's k_scale (q.(s k) = (s q).k) and each output head times its KV head's v_scale
+    (sum_j p_j s v_j = s sum_j p_j v_j).
 """
 
 from __future__ import annotations
