@@ -237,3 +237,27 @@ def test_fold_head_scales_equals_attention_over_rounded_kv(dtype):
     # per head: the small head's keys use the format's range (under the layer's largest scale
     # they would sit near 1, among the subnormals' neighbours)
     assert float(k8[:, 0].abs().max()) > 50
+
+
+def test_draft_model_over_fp8_caches(tiny_model):
+    # speculative decoding: the draft's cache is FP8 too, with its own per-head scales; greedy
+    # output as the FP8 engine's without a draft (verification steps write and read the same
+    # rounded K/V as single-token steps)
+    target, draft = tiny_model("llama"), tiny_model("llama", seed=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 23, 41)]
+    params = hf_paged.SamplingParams(max_tokens=16, temperature=0)
+    options = {"kv_cache_dtype": "fp8_e4m3"}
+    outs = []
+    spec = {"draft_model": draft, "speculative_policy": "fixed", "num_speculative_tokens": 3}
+    for extra in ({}, spec):
+        engine = hf_paged.Engine(target, **options, **extra)
+        try:
+            got = engine.generate(prompts, params, use_tqdm=False)
+            engine.check_invariants()
+            if extra:
+                assert engine.stats()["spec_num_proposed"] > 0
+        finally:
+            engine.shutdown()
+        outs.append([o.output_token_ids for o in got])
+    assert outs[0] == outs[1]
