@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench, spec, quant-accuracy."""
+coverage, serve-bench, serve-soak, spec, quant-accuracy."""
 
 from __future__ import annotations
 
@@ -173,11 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .quant_bench import add_parser as add_quant_bench
     from .serve_bench import add_parser as add_serve_bench
+    from .serve_soak import add_parser as add_serve_soak
     from .spec_bench import add_parser as add_spec_bench
     from .structured_bench import add_parser as add_structured_bench
     from .structured_eval import add_parser as add_structured
 
     add_serve_bench(sub, _common)
+    add_serve_soak(sub, _common)
     add_spec_bench(sub, _common)
     add_quant_bench(sub, _common)
     add_structured(sub, _common)
@@ -459,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
+        if hasattr(args, "run"):  # a subcommand whose parser names its function
+            return args.run(args, _save)
         if args.command == "accuracy":
             return cmd_accuracy(args)
         if args.command == "throughput":
@@ -469,10 +473,6 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "coverage":
             return cmd_coverage(args)
-        if args.command == "serve-bench":
-            from .serve_bench import cmd_serve_bench
-
-            return cmd_serve_bench(args, _save)
         if args.command == "spec":
             from .spec_bench import cmd_spec
 

@@ -138,7 +138,7 @@ def tiny_model(model_type: str, seed: int = 0, skip: tuple[str, ...] = ()) -> to
     model = AutoModelForCausalLM.from_config(config).float().eval()
     model.generation_config.eos_token_id = None
     # EOS forced at the last step (Bart's decoders' configs) is a generation option, not the
-    # architecture this report is about (hf_paged refuses it at generate, naming it)
+    # architecture this report is about (tests/test_model_families.py checks it on a Bart decoder)
     model.generation_config.forced_eos_token_id = None
     model.generation_config.pad_token_id = 0
     head = model.get_output_embeddings()

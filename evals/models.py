@@ -53,6 +53,18 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 8192,
         "rope_theta": 500000.0,
     },
+    # a shape that does not fit one H200 in bf16 (~141 GB of weights): tensor-parallel runs
+    "llama-3-70b": _LLAMA
+    | {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
     # Llama-3's own small sibling: the target's vocabulary (a draft for the 8B shape)
     "llama-3.2-1b": _LLAMA
     | {

@@ -49,6 +49,7 @@ def add_parser(sub, common) -> None:
         "--engine-option", action="append", default=[], metavar="KEY=VALUE",
         help="an Engine option for both sides (num_blocks=4096, compile=False...)",
     )  # fmt: skip
+    p.set_defaults(run=cmd_serve_bench)
 
 
 def placeholder_tokenizer(vocab_size: int):

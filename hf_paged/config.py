@@ -92,6 +92,13 @@ class EngineConfig:
     # the largest adapter rank the slots hold (smaller ranks are zero-padded); None: the
     # largest rank among the model's adapters at start-up
     max_lora_rank: int | None = None
+    # Tensor parallelism (hf_paged/distributed, docs/tensor_parallel.md): the model split over
+    # this many devices of one host, one process each (rank 0 is the caller's). Steps then run
+    # without CUDA graphs, torch.compile or the small-batch forward.
+    tensor_parallel_size: int = 1
+    # "auto": the model's device type; "cuda": ranks on cuda:0..N-1 (a model loaded on the CPU
+    # streams its shards there); "cpu": gloo processes on the CPU
+    tensor_parallel_device: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, value) -> None:
@@ -124,6 +131,12 @@ class EngineConfig:
         positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         positive("max_graph_batch_size", self.max_graph_batch_size)
         positive("num_speculative_tokens", self.num_speculative_tokens)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_device not in ("auto", "cpu", "cuda"):
+            raise ValueError(
+                "tensor_parallel_device must be 'auto', 'cpu' or 'cuda', "
+                f"got {self.tensor_parallel_device!r}"
+            )
         if self.speculative_policy not in ("auto", "fixed"):
             raise ValueError(
                 f"speculative_policy must be 'auto' or 'fixed', got {self.speculative_policy!r}"
@@ -215,6 +228,13 @@ class EngineConfig:
                 f"max_position_embeddings ({model_max})"
             )
         on_cuda = next(model.parameters()).device.type == "cuda"
+        if self.tensor_parallel_size > 1:
+            on_cuda = self.tensor_parallel_device == "cuda" or (
+                on_cuda and self.tensor_parallel_device == "auto"
+            )
+            if self.compile:  # collectives inside compiled graphs: not built yet
+                raise ValueError("compile=True is not supported with tensor_parallel_size > 1")
+            self.compile, self.cuda_graphs, self.small_batch_rows = False, False, 0
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if on_cuda else 2048
         if self.compile is None:  # CPU: inductor's C++ compile costs more than it saves

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 F_REPETITION = 1 << 0  # repetition_penalty (prompt + output tokens, transformers)
 F_PRESENCE = 1 << 1  # presence/frequency penalties (output tokens, vLLM)
 F_NGRAM = 1 << 2
-F_BAN = 1 << 3  # bad_words_ids, suppress_tokens, begin_suppress_tokens, min_tokens
+F_BAN = 1 << 3  # bad_words_ids, suppress_tokens, begin_suppress_tokens, min_tokens, forced eos
 F_USER = 1 << 4  # user logits processors (Python, per request)
 F_WARP = 1 << 5  # a sampling row: temperature / top-k / top-p / min-p / typical-p
 F_RENORM = 1 << 6
@@ -58,6 +58,9 @@ class SamplingParams:
     bad_words_ids: list[list[int]] | None = None
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None  # masked for the first new token only
+    # transformers' forced_eos_token_id: the last new token (the max_tokens-th) is forced to this
+    # id (one of these ids), after the bans and before suppress_tokens, as its processor does
+    forced_eos_token_id: int | list[int] | None = None
     renormalize_logits: bool = False
     seed: int | None = None  # per-request generator: output independent of the rest of the batch
     ignore_eos: bool = False
@@ -130,9 +133,16 @@ class SamplingParams:
             raise ValueError(
                 f"adapter must be an adapter name (a str) or None, got {self.adapter!r}"
             )
-        if isinstance(self.eos_token_id, int):
-            self.eos_token_id = [self.eos_token_id]
-        for name in ("eos_token_id", "stop_token_ids", "suppress_tokens", "begin_suppress_tokens"):
+        for name in ("eos_token_id", "forced_eos_token_id"):
+            if isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool):
+                setattr(self, name, [getattr(self, name)])
+        for name in (
+            "eos_token_id",
+            "forced_eos_token_id",
+            "stop_token_ids",
+            "suppress_tokens",
+            "begin_suppress_tokens",
+        ):
             ids = getattr(self, name)
             if ids is not None:
                 setattr(self, name, _ints(name, ids))
@@ -192,7 +202,7 @@ class SamplingParams:
             f |= F_NGRAM
         if self.bad_words_ids or self.suppress_tokens or self.begin_suppress_tokens:
             f |= F_BAN
-        if self.min_tokens:
+        if self.min_tokens or self.forced_eos_token_id:
             f |= F_BAN
         if self.logits_processors:
             f |= F_USER

@@ -1,14 +1,14 @@
 """Paged attention for families whose attention forward computes softmax attention inline.
 
-Bloom, Falcon, MPT, XGLM, TrOCR and MVP compute `softmax(Q K^T * scale + bias + mask) V` inside
-their attention module's forward, with no method to swap (attention_adapters.py swaps those
-that have one). Inside an engine step (and during the KV-shape probe) the forward here runs
-instead: the module's own projections (fused or separate) and rotary embeddings, the paged
-attention function with the module's scale and ALiBi slopes, the module's own output
-projection. Outside a step the module's forward is transformers'. What differs between
-families is data (a ForwardSpec: how to get Q/K/V, the scale, the slopes, how to return), not
-one forward per family. The start-up check (hf_paged/engine/verify.py) still decides whether
-the result is exact.
+Bloom, Falcon, MPT, XGLM, TrOCR, MVP and the BERT-style decoders (MegatronBERT, RemBERT,
+RoFormer, BigBird) compute `softmax(Q K^T * scale + bias + mask) V` inside their attention
+module's forward, with no method to swap (attention_adapters.py swaps those that have one).
+Inside an engine step (and during the KV-shape probe) the forward here runs instead: the
+module's own projections (fused or separate) and rotary embeddings, the paged attention function
+with the module's scale and ALiBi slopes, the module's own output projection. Outside a step the
+module's forward is transformers'. What differs between families is data (a ForwardSpec: how to
+get Q/K/V, the scale, the slopes, how to return), not one forward per family. The start-up check
+(hf_paged/engine/verify.py) still decides whether the result is exact.
 
 ALiBi: the models add slope_h * key_position (Bloom; MPT relative to the last key; Falcon
 scales it with the scores), the kernels slope_h * (key - query), the same softmax per row.
@@ -44,6 +44,19 @@ def _separate_qkv(m, a):
         _heads(m.k_proj(h), m.num_heads),
         _heads(m.v_proj(h), m.num_heads),
     )
+
+
+def _bert_qkv(m, a):
+    # BERT-style self-attention classes (query / key / value); RoFormer rotates inside it,
+    # with its own rotation, the values as well under rotary_value
+    h = a["hidden_states"]
+    q, k, v = (_heads(proj(h), m.num_attention_heads) for proj in (m.query, m.key, m.value))
+    sinusoidal = a.get("sinusoidal_pos")
+    if sinusoidal is None:
+        return q, k, v
+    if m.rotary_value:
+        return m.apply_rotary_position_embeddings(sinusoidal, q, k, v)
+    return (*m.apply_rotary_position_embeddings(sinusoidal, q, k), v)
 
 
 def _bloom_qkv(m, a):
@@ -125,10 +138,13 @@ class ForwardSpec:
     slopes: Callable[[torch.nn.Module], torch.Tensor | None] = lambda m: None
     # arguments the paged forward does not implement, refused in a step: their name, or None
     unsupported: Callable[[dict], str | None] = lambda a: None
+    # a configuration of the module the paged forward does not reproduce, refused at install
+    refuse: Callable[[torch.nn.Module], str | None] = lambda m: None
 
 
 def _extra_keys(a: dict) -> str | None:
-    for name in ("key_value_states", "attn_prompt"):  # cross-attention, MVP's prompt keys
+    # cross-attention (Bart's and BERT's names), MVP's prompt keys
+    for name in ("key_value_states", "encoder_hidden_states", "attn_prompt"):
         if a.get(name) is not None:
             return name
     return None
@@ -140,8 +156,25 @@ _SEPARATE = ForwardSpec(
     output=lambda m, out, a: (m.out_proj(out), None),
     unsupported=_extra_keys,
 )
+# the BERT-style classes return (context [B, T, H * D], probabilities) and scale by
+# 1/sqrt(attention_head_size); causal only as decoders (the model's mask, replaced in a step)
+_BERT = ForwardSpec(
+    _bert_qkv,
+    scale=lambda m: 1.0 / math.sqrt(m.attention_head_size),
+    output=lambda m, out, a: (out, None),
+    unsupported=_extra_keys,
+    refuse=lambda m: (
+        None
+        if m.is_decoder
+        else "is_decoder=False (bidirectional attention; causal only with is_decoder=True)"
+    ),
+)
 # attention class name -> its spec; each read from transformers' modelling code
 FORWARDS = {
+    "MegatronBertSelfAttention": _BERT,
+    "RemBertSelfAttention": _BERT,
+    "RoFormerSelfAttention": _BERT,
+    "BigBirdSelfAttention": _BERT,  # 'original_full'; block_sparse is refused
     "XGLMAttention": _SEPARATE,
     "TrOCRAttention": _SEPARATE,
     "MvpAttention": _SEPARATE,
@@ -195,21 +228,33 @@ def forward_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Forwa
     return found
 
 
-def unsupported_reason(module: torch.nn.Module) -> str | None:
+def unsupported_reason(module: torch.nn.Module, spec: ForwardSpec) -> str | None:
     """A configuration of a known class the forward here does not reproduce."""
+    reason = spec.refuse(module)
+    if reason is not None:
+        return reason
     if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
         return "pretraining_tp > 1 with slow_but_exact=True (a tensor-parallel split of dense)"
+    return None
+
+
+def forwards_refusal(model: torch.nn.Module) -> str | None:
+    """Why the model's swappable attention modules cannot run exactly, or None: checked
+    before anything on the model is changed."""
+    for module, spec in forward_modules(model):
+        reason = unsupported_reason(module, spec)
+        if reason is not None:
+            return f"{type(module).__name__}: {reason} is not supported by hf_paged"
     return None
 
 
 def install_attention_forwards(model: torch.nn.Module) -> int:
     """Swap the forwards of the model's known attention modules; how many. A module without
     an int layer_idx gets its position among them, which picks its KV cache."""
+    reason = forwards_refusal(model)
+    if reason is not None:
+        raise ValueError(reason)
     found = forward_modules(model)
-    for module, _ in found:
-        reason = unsupported_reason(module)
-        if reason is not None:
-            raise ValueError(f"{type(module).__name__}: {reason} is not supported by hf_paged")
     for i, (module, spec) in enumerate(found):
         if _ORIGINAL in module.__dict__:
             continue

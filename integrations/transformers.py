@@ -12,9 +12,11 @@ from hf_paged.integrations.attention_adapters import (
 )
 from hf_paged.integrations.attention_forwards import (
     forward_modules,
+    forwards_refusal,
     install_attention_forwards,
     remove_attention_forwards,
 )
+from hf_paged.integrations.attention_refusals import refusal_reason
 from hf_paged.integrations.step_positions import install_step_positions, remove_step_positions
 
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION, register
@@ -32,7 +34,15 @@ def check_supported(model: torch.nn.Module) -> None:
         raise ValueError(
             f"model: {name} is an encoder-decoder; hf_paged serves decoder-only models"
         )
-    if not routes_attention(model) and not (attention_modules(model) or forward_modules(model)):
+    if routes_attention(model):
+        return
+    reason = refusal_reason(model)
+    if reason is not None:
+        raise ValueError(f"model: {name}: {reason}; not supported by hf_paged")
+    reason = forwards_refusal(model)  # before the lease or any module is touched
+    if reason is not None:
+        raise ValueError(f"model: {name}: {reason}")
+    if not (attention_modules(model) or forward_modules(model)):
         raise ValueError(
             f"model: {name} does not route attention through transformers' AttentionInterface "
             "(its modelling code calls no ALL_ATTENTION_FUNCTIONS) and hf_paged has no adapter "
@@ -65,6 +75,8 @@ class ModelLease:
         self.previous = previous  # the attention implementation to restore
         self.fused = False  # some owner fused q/k/v and gate/up projections
         self.lora = None  # hf_paged.lora.layers.LoraRouting: peft's LoRA layers, routed per token
+        # hf_paged.distributed's executor: the model sharded, the other ranks' processes
+        self.tp = None
         # transformers' logits for the start-up check's prompts (hf_paged/engine/verify.py),
         # taken by the first owner under `previous`: later owners must not switch the
         # attention implementation while another Engine may be stepping

@@ -211,11 +211,13 @@ def test_bad_engine_options(tiny_model):
 
 
 def test_patch_refuses_models_without_the_attention_interface():
-    # XLM's attention calls no interface and hf_paged has no adapter for it (docs/models.md)
-    config = transformers.XLMConfig(
-        vocab_size=64, emb_dim=32, n_layers=1, n_heads=2, causal=True, is_decoder=True
-    )
-    model = transformers.XLMWithLMHeadModel(config).eval()
+    # Reformer's attention (local and LSH) calls no interface and hf_paged has no adapter for it
+    config = transformers.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "lsh"], axial_pos_embds=False, feed_forward_size=64,
+        is_decoder=True,
+    )  # fmt: skip
+    model = transformers.ReformerModelWithLMHead(config).eval()
     with pytest.raises(ValueError, match="AttentionInterface.*no adapter"):
         hf_paged.patch(model)
     assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left swapped
@@ -288,6 +290,15 @@ def test_attention_arguments_that_change_semantics_are_refused(tiny_model):
         _refuse_unsupported(module, {"position_bias": torch.zeros(2)})
     # attention sinks are implemented (tests/test_model_features.py)
     _refuse_unsupported(module, {"is_causal": True, "position_ids": torch.zeros(1), "s_aux": 1})
+    # the module's is_causal=False: bidirectional, unless it is a decoder's attention keeping the
+    # flag's default (BigBird-Pegasus's decoder, causal by its mask; the start-up check measures)
+    module.is_causal = False
+    with pytest.raises(ValueError, match="bidirectional"):
+        _refuse_unsupported(module, {})
+    module.is_decoder = True
+    _refuse_unsupported(module, {})
+    with pytest.raises(ValueError, match="bidirectional"):  # the call's own flag still counts
+        _refuse_unsupported(module, {"is_causal": False})
 
 
 def test_siblings_of_n_samples_count_against_max_num_seqs(tiny_model):

@@ -20,7 +20,8 @@ SUBSET = {
     "diffllama": "refused",  # two attention calls per layer: the start-up check's decode step
     "doge": "refused",  # its window only in the mask: the check's prompt past the window
     "bloom": "exact",  # ALiBi, inline attention: forward swapped; no length limit: retried
-    "xlm": "refused",  # no AttentionInterface, no adapter: refused before any forward
+    "xlm": "refused",  # standard attention, but its model zeroes hidden states by pad_index
+    "roformer": "exact",  # no AttentionInterface: its BERT-style forward swapped, own rotary
     "hy_v4": "refused",  # a sparse-attention indexer reading the mask: a TypeError, refused
     "gpt_oss": "exact",  # attention sinks (s_aux)
     "deepseek_v3": "exact",  # MLA: keys 24 wide, values 16, heads other than the config's
@@ -40,7 +41,7 @@ def test_fast_subset_is_exact_or_refused(one_torch_thread):
     details = {r.model_type: r.detail for r in rows}
     assert "at the decode step" in details["diffllama"]
     assert "already in the prompt forward" in details["doge"]
-    assert "AttentionInterface" in details["xlm"]
+    assert "pad_index" in details["xlm"]
     assert details["bloom"] == "with max_model_len=512"
     assert "fails in a paged forward (TypeError" in details["hy_v4"]
     assert "more keys than its" in details["deepseek_v4"]

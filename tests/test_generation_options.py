@@ -54,6 +54,9 @@ GREEDY_OPTIONS = {
     "eos_token_id_list": dict(eos_token_id=None, pad_token_id=0),
     "max_length": dict(max_length=17),
     "renormalize_logits": dict(renormalize_logits=True, repetition_penalty=1.2),
+    # the last new token forced, over a min-length ban of the same id (transformers' order)
+    "forced_eos_token_id": dict(forced_eos_token_id=7, min_new_tokens=16, eos_token_id=[7]),
+    "forced_eos_suppressed": dict(forced_eos_token_id=[7, 9], suppress_tokens=[7]),
     "combined": dict(
         repetition_penalty=1.3,
         no_repeat_ngram_size=3,
@@ -236,6 +239,10 @@ def test_bad_requests_do_not_leak_and_others_finish(llama):
         engine.add_request([5], SamplingParams(bad_words_ids=[[300]]))
     with pytest.raises(ValueError, match="n:"):
         engine.add_request([5], SamplingParams(n=10_000))
+    with pytest.raises(ValueError, match="forced_eos_token_id"):
+        engine.add_request([5], SamplingParams(forced_eos_token_id=[7, 300]))
+    with pytest.raises(ValueError, match="forced_eos_token_id"):
+        SamplingParams(forced_eos_token_id=-1)
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -252,7 +259,7 @@ def test_unsupported_generation_options_are_refused(llama, batch):
             (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
             (dict(sequence_bias=[[[5], -1.0]]), "sequence_bias"),
             (dict(prefix_allowed_tokens_fn=lambda b, s: [1]), "prefix_allowed_tokens_fn"),
-            (dict(forced_eos_token_id=3), "forced_eos_token_id"),
+            (dict(forced_eos_token_id=3, num_beams=2), "forced_eos_token_id"),
         ]:
             with pytest.raises(ValueError, match=name):
                 llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, **kw)

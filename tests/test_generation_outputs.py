@@ -32,8 +32,10 @@ def test_scores_logits_and_transition_scores_match(tiny_model, batch_factory):
         repetition_penalty=1.3,
         eos_token_id=eos,
         pad_token_id=0,
+        forced_eos_token_id=5,  # the last step's scores: -inf but 0 at token 5
     )
     ref, out = _both(model, ids, mask, **gen)
+    assert torch.isinf(out.scores[-1]).sum() == out.scores[-1].numel() - len(ids)
     assert type(out) is type(ref)
     assert torch.equal(out.sequences, ref.sequences)
     assert len(out.scores) == len(ref.scores) and len(out.logits) == len(ref.logits)

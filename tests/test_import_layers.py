@@ -7,7 +7,8 @@ or inside a function. Layers, low to high:
     < sample, worker, kernels, integrations, lora, spec_decode, structured_output, quantization
       (one layer: they may import each other; the sampler imports nothing from core, the runner
       only core/outputs.py)
-    < engine
+    < engine, distributed (rank 0's executor beside the engine; its workers run the engine's
+      start-up check)
     < generation
     < entrypoints (the HTTP server)
     < top (hf_paged/__init__.py, hf_paged.testing)
@@ -58,6 +59,7 @@ LAYERS = {  # longest prefix wins
     "hf_paged.structured_output.constraint": BASE,
     "hf_paged.quantization": WORKER,
     "hf_paged.engine": ENGINE,
+    "hf_paged.distributed": ENGINE,
     "hf_paged.generation": GENERATION,
     "hf_paged.entrypoints": ENTRYPOINTS,
 }

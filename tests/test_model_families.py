@@ -1,10 +1,11 @@
 """Families outside the Llama-like mould, exact under the engine: decoders that route attention
 through transformers' interface without the class flag (StableLM, Bart's decoders), attention
 cores swapped where the family calls no interface (GPT-Neo, OpenAI-GPT, GPT-NeoX-Japanese),
-positions
-built inside the model (Bart's kin: the step's positions), BERT-family LM heads (causal only with
-is_decoder=True; RoBERTa's position ids as generate passes them). Each: a tiny random float32
-model, greedy, a left-padded batch of mixed lengths against transformers one prompt at a time."""
+attention forwards swapped (Bloom, MPT, Falcon, XGLM, the BERT-style decoders RoFormer,
+MegatronBERT, RemBERT, BigBird), positions built inside the model (Bart's kin: the step's
+positions), BERT-family LM heads (causal only with is_decoder=True; RoBERTa's position ids as
+generate passes them). Each: a tiny random float32 model, greedy, a left-padded batch of mixed
+lengths against transformers one prompt at a time."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ FAMILIES = {
     "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
                  max_position_embeddings=128),
     "mvp": BART_DECODER,
+    # its decoder self-attention keeps is_causal=False (causal by the decoder's mask)
+    "bigbird_pegasus": BART_DECODER,
+    # BERT-style self-attention swapped the same way (decoders: is_decoder=True); RoFormer
+    # rotates inside its self-attention (values too: its rotary_value variant below)
+    "roformer": dict(SMALL, max_position_embeddings=128),
+    "megatron-bert": dict(SMALL, max_position_embeddings=128),
+    "rembert": dict(SMALL, input_embedding_size=32, output_embedding_size=48,
+                    max_position_embeddings=128),
+    "big_bird": dict(SMALL, attention_type="original_full", max_position_embeddings=128),
     "trocr": dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
                   max_position_embeddings=128),
 }  # fmt: skip
@@ -53,6 +63,8 @@ VARIANTS = {
     # Falcon-RW's ALiBi (scaled with the scores), 8 heads: non-power-of-2 slope spacing
     "falcon-alibi": ("falcon", dict(SMALL, num_attention_heads=8, alibi=True, multi_query=False,
                                     new_decoder_architecture=False, max_position_embeddings=128)),
+    "roformer-rotary-value": ("roformer", dict(SMALL, rotary_value=True,
+                                               max_position_embeddings=128)),
     "falcon-new-arch": ("falcon", dict(SMALL, num_kv_heads=2, new_decoder_architecture=True,
                                        max_position_embeddings=128)),
 }  # fmt: skip
@@ -92,8 +104,17 @@ def test_alibi_through_the_triton_kernels(name, batch_factory, one_torch_thread)
     check_exact(name, batch_factory, {"hidden_size": 128}, attention_backend="triton")
 
 
-def check_exact(name, batch_factory, build=None, **options):
-    model = _build(name, **(build or {}))
+def test_forced_eos_as_bart_checkpoints_set_it(batch_factory, one_torch_thread):
+    """Bart-family checkpoints set generation_config.forced_eos_token_id: the last new token is
+    that id, as in transformers."""
+    model = _build("blenderbot-small")
+    model.generation_config.forced_eos_token_id = 2
+    got = check_exact("blenderbot-small", batch_factory, model=model)
+    assert (got[:, -1] == 2).all()
+
+
+def check_exact(name, batch_factory, build=None, model=None, **options):
+    model = model or _build(name, **(build or {}))
     ids, mask = batch_factory(LENGTHS, vocab=256)
     refs = [
         _greedy(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:]) for i, n in enumerate(LENGTHS)
@@ -109,6 +130,7 @@ def check_exact(name, batch_factory, build=None, **options):
     # unpatch leaves no instance-level forward behind
     assert {type(m) for m in model.modules()} == classes
     assert not any("forward" in m.__dict__ or "_attn" in m.__dict__ for m in model.modules())
+    return got
 
 
 def test_step_positions_replace_the_flat_batch_positions():
@@ -158,7 +180,10 @@ def test_falcon_split_is_transformers_split_without_list_indexing(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "name", ["bloom", "falcon-alibi", "mpt", "gpt_neo", "falcon", "falcon-new-arch"]
+    "name",
+    ["bloom", "falcon-alibi", "mpt", "gpt_neo", "falcon", "falcon-new-arch"]
+    + ["roformer", "roformer-rotary-value", "megatron-bert", "rembert", "big_bird"]
+    + ["bigbird_pegasus"],
 )
 def test_swapped_families_on_the_gpu_with_graphs_and_compile(name, batch_factory):
     """The Triton kernels (ALiBi among them), CUDA graphs and torch.compile on the swapped
@@ -176,3 +201,56 @@ def test_swapped_families_on_the_gpu_with_graphs_and_compile(name, batch_factory
         hf_paged.unpatch(model)
     for i, ref in enumerate(refs):
         assert torch.equal(got[i], ref[0]), (name, i, got[i], ref[0])
+
+
+REFUSED = {
+    # the reason names what the class computes that paged attention does not
+    "prophetnet": (dict(hidden_size=64, num_decoder_layers=2, num_decoder_attention_heads=4,
+                        num_encoder_layers=2, num_encoder_attention_heads=4,
+                        decoder_ffn_dim=128, encoder_ffn_dim=128), r"n-gram.*relative-position"),
+    "cpmant": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, dim_head=16,
+                    dim_ff=128), r"segment and relative-position buckets"),
+    "xlm": (dict(emb_dim=64, n_layers=2, n_heads=4, causal=True), r"pad_index"),
+    "big_bird": (dict(SMALL, max_position_embeddings=128), r"attention_type='block_sparse'"),
+    "roformer": (dict(SMALL, is_decoder=False), r"is_decoder=False"),
+    "rwkv": (dict(hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                  intermediate_size=128), r"recurrence"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_families_not_run_exactly_are_refused_naming_why(model_type):
+    fields, match = REFUSED[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **fields})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    classes = {type(m) for m in model.modules()}
+    with pytest.raises(ValueError, match=match):
+        hf_paged.patch(model, max_model_len=128)
+    assert model.config._attn_implementation != "hf_paged"
+    # refused before anything on the model changed: no lease, no swapped forward
+    assert {type(m) for m in model.modules()} == classes
+    assert not any(
+        "forward" in m.__dict__ or "_hf_paged_lease" in m.__dict__ for m in model.modules()
+    )
+
+
+def test_cross_attention_in_a_step_is_refused_naming_the_argument():
+    """A swapped BERT-style self-attention class also serves cross-attention (keys from an
+    encoder), which the paged cache does not hold: refused in a step, naming the argument."""
+    from hf_paged.integrations.attention_forwards import (
+        install_attention_forwards,
+        remove_attention_forwards,
+    )
+
+    from hf_paged.worker.forward_context import forward_context
+
+    model = _build("roformer")
+    assert install_attention_forwards(model) == 2
+    attn = model.roformer.encoder.layer[0].attention.self
+    hidden = torch.randn(1, 3, 64)
+    try:
+        with forward_context(None), pytest.raises(ValueError, match="'encoder_hidden_states'"):
+            attn(hidden, encoder_hidden_states=torch.randn(1, 4, 64))
+    finally:
+        remove_attention_forwards(model)
+    assert attn(hidden, encoder_hidden_states=torch.randn(1, 4, 64))[0].shape == (1, 3, 64)

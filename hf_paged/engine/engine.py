@@ -57,8 +57,7 @@ class Engine:
         self._inbox = Inbox()  # what adding and aborting leave for the next step
         # streams waiting for outputs: one of them steps (_stepping), the others wait here
         self._turn = threading.Condition()
-        self._stepping = False
-        self._closed = False
+        self._stepping = self._closed = False
         self._lease = enable_paged_attention(model, self)
         try:
             self._build(model, config)
@@ -73,9 +72,9 @@ class Engine:
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         # before compile and graph capture see the model; put back by the last Engine on it
-        self.num_fused_projections = _fuse_and_quantize(model, config)
+        self.num_fused_projections = _prepare_weights(model, config, self._lease)
         self._lease.fused |= self.num_fused_projections > 0
-        self.core = core = EngineCore(model, config, routing, self.tokenizer)
+        self.core = core = EngineCore(model, config, routing, self.tokenizer, self._lease.tp)
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
         # the start-up check's relative logits error (verify.py); None when off
@@ -104,8 +103,9 @@ class Engine:
             from hf_paged.integrations.fused_projections import unfuse_projections
 
             unfuse_projections(self.model)
-        if lease.lora is not None:
-            lease.lora.close()
+        for held in (lease.lora, lease.tp):  # LoRA routing; tensor-parallel ranks, after unfusing
+            if held is not None:
+                held.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -352,9 +352,14 @@ class Engine:
         return self.kv.reset_prefix_cache()
 
 
-def _fuse_and_quantize(model: torch.nn.Module, config: EngineConfig) -> int:
-    """Fused projections, then FP8 weights (the fused matrices quantised as one); a model that
-    cannot be quantised is refused before it is touched. Returns the fused groups."""
+def _prepare_weights(model: torch.nn.Module, config: EngineConfig, lease) -> int:
+    """Tensor-parallel sharding (the other ranks started on their shards: hf_paged/distributed),
+    fused projections (per rank), then FP8 weights (the fused matrices quantised as one); a
+    model that cannot be quantised is refused before it is touched. Returns the fused groups."""
+    if config.tensor_parallel_size > 1:
+        from hf_paged.distributed import TensorParallelExecutor
+
+        lease.tp = TensorParallelExecutor(model, config, lease)
     if config.quantization is not None:
         check_quantizable(model, config.quantization)
     fused = fuse_projections(model) if config.fuse_projections else 0

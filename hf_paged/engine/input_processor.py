@@ -205,6 +205,11 @@ def _check_vocab(params: SamplingParams, vocab_size: int) -> None:
             raise ValueError(
                 f"bad_words_ids: token ids {bad} outside the vocabulary [0, {vocab_size})"
             )
+    bad = [t for t in params.forced_eos_token_id or () if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"forced_eos_token_id: token ids {bad} outside the vocabulary [0, {vocab_size})"
+        )
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab_size}")
 

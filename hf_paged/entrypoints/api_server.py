@@ -1,10 +1,12 @@
 """The FastAPI app: OpenAI routes over one Engine, with its limits and OpenAI-shaped errors.
 
-build_app(engine, ...) returns the app; its lifespan starts the engine loop thread on the
+build_app(engine, model_name, ..., adapters={served name: LoRA adapter}) returns the app: the
+base model under model_name and each of the engine's PeftModel adapters under a name of its
+own, chosen by a request's `model`. Its lifespan starts the engine loop thread on the
 server's event loop and stops it at shutdown. Every error a client can cause is a JSON body
 {"error": {"message", "type", "param", "code"}} with the status OpenAI uses (400 bad input,
-401 API key, 404 unknown model or route, 413 body too large, 429 queue full); the server keeps
-serving after any of them.
+401 API key, 404 unknown model or route, 413 body too large, 429 queue full or more live
+adapters than max_loras); the server keeps serving after any of them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hf_paged.entrypoints.protocol import (
 from hf_paged.entrypoints.serving import OpenAIServing
 from hf_paged.entrypoints.serving_chat import ChatRun
 from hf_paged.entrypoints.serving_completion import CompletionRun
+from hf_paged.lora.layers import adapter_names
 
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt max_model_len allows
 
@@ -143,15 +146,31 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return _error(400, f"{param}: {e.get('msg')}" if param else str(e.get("msg")), param)
 
 
+def _check_adapters(engine: Engine, model_name: str, adapters: dict[str, str]) -> None:
+    if not adapters:
+        return
+    known = adapter_names(engine.model)
+    missing = sorted(set(adapters.values()) - known)
+    if missing:
+        raise ValueError(
+            f"adapters: {missing} are not LoRA adapters of the model ({sorted(known)})"
+        )
+    if model_name in adapters:
+        raise ValueError(f"adapters: {model_name!r} is the base model's served name")
+
+
 def build_app(
     engine: Engine,
     model_name: str,
     api_key: str | None = None,
     max_queued: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
+    adapters: dict[str, str] | None = None,
 ) -> FastAPI:
+    adapters = dict(adapters or {})
+    _check_adapters(engine, model_name, adapters)
     front = AsyncEngine(engine, max_queued=max_queued)
-    serving = OpenAIServing(front, model_name)
+    serving = OpenAIServing(front, model_name, adapters)
     metrics = ServerMetrics(front, model_name)
     created = int(time.time())
 
@@ -179,36 +198,26 @@ def build_app(
     async def http_error(request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), code=None)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(
-                404, f"The model {name!r} does not exist (served: {model_name!r})", "model",
-                code="model_not_found",
-            )  # fmt: skip
-
     @app.get("/health")
     async def health():
         if not front.alive:
             return _error(503, f"the engine loop stopped: {front.error!r}", type_="server_error")
         return Response(status_code=200)
 
-    def model_card() -> dict:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "hf_paged",
-            "max_model_len": front.max_model_len,
-        }
+    def model_card(name: str) -> dict:
+        card = {"id": name, "object": "model", "created": created, "owned_by": "hf_paged"}
+        if name != model_name:  # a LoRA adapter on the base model (vLLM's fields)
+            card["parent"] = model_name
+        return {**card, "max_model_len": front.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in serving.model_names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        check_model(name)
-        return model_card()
+        serving.adapter_of(name)  # a 404 for an unknown name
+        return model_card(name)
 
     @app.get("/metrics")
     async def prometheus():
@@ -218,13 +227,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        serving.adapter_of(body.model)  # an unknown model is a 404 before anything else
         run = CompletionRun(serving, body)
         return _RunStream(run) if body.stream else await _full_or_abort(request, run)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        serving.adapter_of(body.model)
         run = ChatRun(serving, body)
         return _RunStream(run) if body.stream else await _full_or_abort(request, run)
 

@@ -36,9 +36,10 @@ class EngineDead(Exception):
 class RequestHandle:
     """One HTTP request's engine requests: their outputs, in arrival order, batch by batch."""
 
-    def __init__(self, front: AsyncEngine, stream: RequestStream) -> None:
+    def __init__(self, front: AsyncEngine, stream: RequestStream, model_name: str | None) -> None:
         self.front = front
         self.stream = stream
+        self.model_name = model_name  # the served model the client asked for (metrics' label)
         self.request_ids = list(stream.request_ids)  # choice order: prompt by prompt, n each
         self.index = {rid: i for i, rid in enumerate(self.request_ids)}
         self._unfinished = set(self.request_ids)
@@ -99,7 +100,8 @@ class AsyncEngine:
         self.capacity = engine.config.max_num_seqs + max_queued
         self.num_in_flight = 0  # sequences submitted and not finished (event loop thread only)
         self.error: BaseException | None = None
-        self.on_finished: list[Callable[[RequestOutput], None]] = []  # metrics hooks
+        # metrics hooks: hook(output, the served model name its request asked for)
+        self.on_finished: list[Callable[[RequestOutput, str | None], None]] = []
         self._handles: dict[str, RequestHandle] = {}  # request id -> handle (read by the loop)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
@@ -131,7 +133,9 @@ class AsyncEngine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, prompts: Sequence[list[int]], params: SamplingParams) -> RequestHandle:
+    def submit(
+        self, prompts: Sequence[list[int]], params: SamplingParams, model_name: str | None = None
+    ) -> RequestHandle:
         """Queue the prompts (token ids) with n samples each. Raises QueueFull, EngineDead, or
         ValueError (bad input: nothing is queued)."""
         if not self.alive:
@@ -143,7 +147,7 @@ class AsyncEngine:
                 f"{self.capacity} (max_num_seqs + max_queued); retry later"
             )
         stream = self.engine.stream(list(prompts), params)
-        handle = RequestHandle(self, stream)
+        handle = RequestHandle(self, stream, model_name)
         self.num_in_flight += len(handle.request_ids)
         for rid in handle.request_ids:
             self._handles[rid] = handle
@@ -183,16 +187,16 @@ class AsyncEngine:
             if handle is not None:
                 woken[id(handle)] = handle
                 if out.finished:
-                    finished.append(out)
+                    finished.append((out, handle.model_name))
         if woken or finished:
             self._loop.call_soon_threadsafe(self._deliver, list(woken.values()), finished)
 
-    def _deliver(self, handles: list[RequestHandle], finished: list[RequestOutput]) -> None:
+    def _deliver(self, handles: list[RequestHandle], finished: list[tuple]) -> None:
         for handle in handles:
             handle._wake()
-        for out in finished:
+        for out, model_name in finished:
             for hook in self.on_finished:
-                hook(out)
+                hook(out, model_name)
 
     def _fail_all(self, exc: BaseException) -> None:
         for handle in list(self._handles.values()):

@@ -85,9 +85,10 @@ class ServerMetrics:
         self.model_name = model_name
         front.on_finished.append(self.record)
 
-    def record(self, out: RequestOutput) -> None:
-        """A request finished (called on the event loop, once per request)."""
-        name = self.model_name
+    def record(self, out: RequestOutput, model_name: str | None = None) -> None:
+        """A request finished (called on the event loop, once per request); model_name: the
+        served name it asked for (an adapter's own), the label of its counts."""
+        name = model_name or self.model_name
         num_out = out.num_tokens - len(out.prompt_token_ids)
         if out.index == 0:  # siblings share their prompt: count it once
             self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))

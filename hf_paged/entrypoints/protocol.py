@@ -113,8 +113,11 @@ class _Base(BaseModel):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's options for this body. Raises ValueError naming the field."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, adapter: str | None = None
+    ) -> SamplingParams:
+        """The engine's options for this body (adapter: the LoRA adapter its `model` names).
+        Raises ValueError naming the field."""
         temperature = 1.0 if self.temperature is None else self.temperature
         return SamplingParams(
             max_tokens=max_tokens,
@@ -133,6 +136,7 @@ class _Base(BaseModel):
             stop_strings=self.stop,
             logprobs=logprobs,
             structured=self.structured_outputs(),
+            adapter=adapter,
         )
 
     def structured_outputs(self) -> StructuredOutputs | None:

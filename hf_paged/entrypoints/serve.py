@@ -1,5 +1,6 @@
 """`hf-paged serve MODEL_OR_PATH` (or `python -m hf_paged.entrypoints.serve MODEL_OR_PATH`):
-load with transformers, build an Engine, serve the OpenAI API on 127.0.0.1:8000 by default."""
+load with transformers (and peft adapters: `--lora NAME=PATH`, each served as the model NAME),
+build an Engine, serve the OpenAI API on 127.0.0.1:8000 by default."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def _engine_option(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+def _lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    if name == "__base__":
+        raise argparse.ArgumentTypeError("__base__ is peft's name for no adapter")
+    return name, path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__)
     p.add_argument("model", help="a local folder or a hub id (AutoModelForCausalLM)")
@@ -38,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default=None, help="the `model` clients send")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: model)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        type=_lora,
+        default=[],
+        metavar="NAME=PATH",
+        help="a peft LoRA adapter (folder or hub id) served as the model NAME; repeatable",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--device-map", default=None, help="transformers' device_map (cuda, auto...)")
     p.add_argument(
@@ -68,7 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_loras(args) -> None:
+    names = [name for name, _ in args.lora]
+    served = args.served_model_name or args.model
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora: each adapter needs a name of its own, got {names}")
+    if served in names:
+        raise ValueError(f"--lora: {served!r} is the base model's served name")
+
+
 def engine_options(args) -> dict:
+    check_loras(args)
     options = dict(args.engine_option)
     for key in ("max_num_seqs", "max_model_len"):
         if getattr(args, key) is not None:
@@ -96,8 +125,33 @@ def load(args):
         four = args.quantization == "bnb-4bit"
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=four, load_in_8bit=not four)
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
+    if args.lora:
+        from peft import PeftModel
+
+        (first, path), *rest = args.lora
+        model = PeftModel.from_pretrained(model, path, adapter_name=first).eval()
+        for name, path in rest:
+            model.load_adapter(path, adapter_name=name)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     return model, tokenizer
+
+
+def build(args, options: dict):
+    """The Engine and the app the command serves (engine_options(args) checked first)."""
+    from hf_paged.engine.engine import Engine
+    from hf_paged.entrypoints.api_server import build_app
+
+    model, tokenizer = load(args)
+    engine = Engine(model, tokenizer, **options)
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_queued=args.max_queued,
+        max_body_bytes=args.max_body_bytes,
+        adapters={name: name for name, _ in args.lora},  # loaded under their served names
+    )
+    return engine, app
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,26 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from hf_paged.engine.engine import Engine
-        from hf_paged.entrypoints.api_server import build_app
+        from hf_paged.entrypoints import api_server  # noqa: F401 (fastapi, prometheus_client)
+
+        if args.lora:
+            import peft  # noqa: F401
     except ImportError as exc:
-        print(f"error: serving needs `pip install hf_paged[serve]` ({exc})", file=sys.stderr)
+        extras = "serve,peft" if args.lora else "serve"
+        print(f"error: serving needs `pip install hf_paged[{extras}]` ({exc})", file=sys.stderr)
         return 2
     try:
         options = engine_options(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model, tokenizer = load(args)
-    engine = Engine(model, tokenizer, **options)
+    try:
+        engine, app = build(args, options)
+    except ValueError as exc:  # what the engine refuses (a LoRA variant, ...), after loading
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     gc.freeze()  # the model's heap lives as long as the server: no collection scans it
-    app = build_app(
-        engine,
-        args.served_model_name or args.model,
-        api_key=args.api_key,
-        max_queued=args.max_queued,
-        max_body_bytes=args.max_body_bytes,
-    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
     return 0

@@ -44,10 +44,15 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, front: AsyncEngine, model_name: str) -> None:
+    """adapters: served name -> the PeftModel's LoRA adapter it runs; model_name runs the base."""
+
+    def __init__(
+        self, front: AsyncEngine, model_name: str, adapters: dict[str, str] | None = None
+    ) -> None:
         self.front = front
         self.tokenizer = front.tokenizer
         self.model_name = model_name
+        self.adapters = dict(adapters or {})
         engine = front.engine
         self.max_model_len = front.max_model_len
         # what one sequence can hold: the smaller of the model length and the whole KV cache
@@ -55,6 +60,21 @@ class OpenAIServing:
             self.max_model_len, engine.kv.num_blocks * engine.config.block_size
         )
         self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.model_name, *self.adapters]
+
+    def adapter_of(self, name: str) -> str | None:
+        """The adapter a request's `model` runs (None: the base), or a 404 for an unknown name."""
+        if name == self.model_name:
+            return None
+        if name not in self.adapters:
+            raise APIError(
+                404, f"The model {name!r} does not exist (served: {self.model_names})", "model",
+                code="model_not_found",
+            )  # fmt: skip
+        return self.adapters[name]
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -99,18 +119,22 @@ class OpenAIServing:
         if max_tokens is None:  # as much as the longest prompt leaves
             max_tokens = self.max_seq_tokens - max(len(p) for p in prompts)
         try:
-            return body.sampling_params(max_tokens, num_logprobs)
+            return body.sampling_params(max_tokens, num_logprobs, self.adapter_of(body.model))
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc))) from None
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> RequestHandle:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, model: str):
         try:
-            return self.front.submit(prompts, params)
+            return self.front.submit(prompts, params, model)
         except QueueFull as exc:
             raise APIError(429, str(exc), None, "rate_limit_error", "queue_full") from None
         except EngineDead as exc:
             raise APIError(503, str(exc), None, "server_error", "engine_dead") from None
         except ValueError as exc:
+            if "max_loras" in str(exc):  # more adapters live than slots: a retry later runs
+                raise APIError(
+                    429, str(exc), "model", "rate_limit_error", "too_many_adapters"
+                ) from None
             raise APIError(400, str(exc), _param_of(str(exc))) from None
 
     # -- running -----------------------------------------------------------------------------------
@@ -241,13 +265,10 @@ class OpenAIServing:
 
     # -- response shapes -----------------------------------------------------------------------
 
-    def head(self, kind: str) -> dict:
+    @staticmethod
+    def head(kind: str, model: str) -> dict:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
 
 
 def sse(payload: dict) -> str:

@@ -17,9 +17,9 @@ class ChatRun:
         self.prompts = [serving.chat_prompt(body)]
         self.num_logprobs = body.num_logprobs
         params = serving.params(body, self.prompts, body.requested_max_tokens, self.num_logprobs)
-        self.handle = serving.submit(self.prompts, params)
+        self.handle = serving.submit(self.prompts, params, body.model)
         self.choices = serving._choices(self.handle, body.stop)
-        self.head = serving.head("chat")
+        self.head = serving.head("chat", body.model)
 
     def close(self) -> None:
         self.handle.close()

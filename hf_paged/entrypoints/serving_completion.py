@@ -16,9 +16,9 @@ class CompletionRun:
         self.prompts = serving.completion_prompts(body)
         params = serving.params(body, self.prompts, body.max_tokens, body.logprobs)
         self.want_logprobs = body.logprobs is not None
-        self.handle = serving.submit(self.prompts, params)
+        self.handle = serving.submit(self.prompts, params, body.model)
         self.choices = serving._choices(self.handle, body.stop)
-        self.base = {**serving.head("cmpl"), "object": "text_completion"}
+        self.base = {**serving.head("cmpl", body.model), "object": "text_completion"}
 
     def close(self) -> None:
         self.handle.close()

@@ -68,6 +68,7 @@ SUPPORTED_FIELDS = {
     "bad_words_ids",
     "suppress_tokens",
     "begin_suppress_tokens",
+    "forced_eos_token_id",
     "renormalize_logits",
     "eos_token_id",
     "pad_token_id",
@@ -165,6 +166,7 @@ def sampling_params_from_config(
         bad_words_ids=gen.bad_words_ids,
         suppress_tokens=gen.suppress_tokens,
         begin_suppress_tokens=gen.begin_suppress_tokens,
+        forced_eos_token_id=gen.forced_eos_token_id,
         renormalize_logits=bool(gen.renormalize_logits),
         output_scores=bool(gen.return_dict_in_generate and gen.output_scores),
         output_logits=bool(gen.return_dict_in_generate and gen.output_logits),
@@ -319,6 +321,8 @@ def plan_generation(model, generation_config, kwargs: dict) -> GenerationPlan:
             "assistant_model / prompt_lookup_num_tokens with num_beams > 1 (beam search) is not "
             "supported by hf_paged"
         )
+    if gen.forced_eos_token_id is not None and (gen.num_beams or 1) > 1:
+        raise ValueError("forced_eos_token_id with num_beams > 1 is not supported by hf_paged")
     if structured is not None and (gen.num_beams or 1) > 1:
         raise ValueError("num_beams: structured output is not supported with beam search")
     if adapter_names is not None and (gen.num_beams or 1) > 1:

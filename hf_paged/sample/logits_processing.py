@@ -6,9 +6,9 @@ transformers' (see GenerationMixin._get_logits_processor); every stage that mask
 masks commute with each other and with the repetition penalty (-inf * p = -inf), and only the
 order of value-changing stages matters:
 
-    repetition_penalty -> presence/frequency (vLLM) -> no_repeat_ngram -> bad words / min_tokens /
-    suppress / begin_suppress -> user logits_processors -> [sampling rows] temperature -> top-k ->
-    top-p -> min-p -> typical-p -> renormalize (log-softmax)
+    repetition_penalty -> presence/frequency (vLLM) -> no_repeat_ngram -> bad words / min_tokens ->
+    forced eos -> suppress / begin_suppress -> user logits_processors -> [sampling rows]
+    temperature -> top-k -> top-p -> min-p -> typical-p -> renormalize (log-softmax)
 
 State that grows with the sequence is kept incrementally, so a step costs O(rows), not O(tokens):
 token counts for penalties live in one [slots, V] pool (one scatter per step for all rows), and
@@ -294,6 +294,29 @@ def _apply_bans(
             ),
             torch.tensor(NEG_INF, dtype=scores.dtype, device=dev),
         )
+    return _force_eos(scores, requests, feats)
+
+
+def _force_eos(scores: torch.Tensor, requests: list[SamplingRow], feats: list[int]) -> torch.Tensor:
+    """transformers' ForcedEOSTokenLogitsProcessor on the rows about to make their last token:
+    every score -inf, the forced ids 0. It runs after the bad-word and min-length bans (it
+    overrides them) and before suppress_tokens / begin_suppress_tokens (they still mask a forced
+    id), so those masks are put back on the forced ids here."""
+    cloned = False
+    for i, (r, f) in enumerate(zip(requests, feats)):
+        p = r.params
+        if not (f & F_BAN and p.forced_eos_token_id):
+            continue
+        if r.num_output_tokens != p.max_tokens - 1:
+            continue
+        masked = set(p.suppress_tokens or ())
+        if r.num_output_tokens == 0:
+            masked |= set(p.begin_suppress_tokens or ())
+        ids = [t for t in p.forced_eos_token_id if t not in masked]
+        if not cloned:  # the caller's logits are never written
+            scores, cloned = scores.clone(), True
+        scores[i] = NEG_INF
+        scores[i, ids] = 0.0
     return scores
 
 

@@ -285,8 +285,21 @@ def _eager_with_sinks(module: torch.nn.Module):
 _UNSUPPORTED_KWARGS = ("sinks", "position_bias", "indices", "block_indices")
 
 
+def _bidirectional(module: torch.nn.Module, kwargs: dict) -> bool:
+    """is_causal=False, from the call or the module, unless the module is a decoder's attention
+    that keeps the flag's default (BigBird-Pegasus's decoder self-attention: copied from Bart's
+    class without is_causal=True, made causal by the decoder's causal mask). The call's own
+    is_causal=False always counts; the start-up check measures the rest."""
+    if "is_causal" in kwargs:
+        return kwargs["is_causal"] is False
+    return (
+        getattr(module, "is_causal", True) is False
+        and getattr(module, "is_decoder", None) is not True
+    )
+
+
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
-    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+    if _bidirectional(module, kwargs):
         # sdpa reads the module's is_causal when the call passes none (BERT-family LM heads
         # built without config.is_decoder=True attend both ways)
         raise ValueError(

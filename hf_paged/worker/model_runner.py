@@ -10,6 +10,7 @@ its boundary is plain data: a ScheduledBatch in, a ModelRunnerOutput out.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -48,8 +49,12 @@ class ModelRunner:
         config: EngineConfig,
         lora: bool = False,
         reserved_bytes_per_block: int = 0,
+        tp=None,
     ) -> None:
         self.model = model
+        # tensor parallelism (hf_paged/distributed): rank 0's executor, which mirrors each
+        # forward to the other ranks, or a worker's handle; None on one device
+        self.tp = tp
         # KV bytes per block that another cache on the same block ids takes (a draft model's)
         self.reserved_bytes_per_block = reserved_bytes_per_block
         self.config = config
@@ -90,6 +95,8 @@ class ModelRunner:
             self.backend,
             self.reserved_bytes_per_block,
         )
+        if self.tp is not None:  # every rank's cache holds the same block ids
+            self.num_blocks = self.tp.min_over_ranks(self.num_blocks)
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
         self.input_batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
@@ -301,7 +308,12 @@ class ModelRunner:
         ctx = ForwardContext(meta, self.kv_caches, self.backend, kv_scales=self.kv_scales)
         if self.lora:
             ctx.lora_groups = lora_groups(step, self.input_batch, dev)
-        with forward_context(ctx):
+        mirrored = (  # the other ranks run this forward on the same inputs
+            self.tp.forward(ids_t, pos_t, keep_t, meta)
+            if self.tp is not None
+            else contextlib.nullcontext()
+        )
+        with mirrored, forward_context(ctx):
             return self.forward(ids_t, pos_t, keep_t), None, None
 
     def _prompt_logprobs(self, logits, kept: KeptRows, step: StepInputs) -> dict:
@@ -316,7 +328,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of forked blocks: KV of block src -> block dst, every layer."""
+        """Copy-on-write of forked blocks: KV of block src -> block dst, every layer (and on
+        the other ranks, tensor parallel)."""
+        if self.tp is not None:
+            self.tp.on_block_copies(copies)
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
         for caches in self.kv_caches:
