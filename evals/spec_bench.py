@@ -42,6 +42,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="draft workload prompt tokens")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.set_defaults(run=cmd_spec)
 
 
 def cmd_spec(args, save) -> int:

@@ -51,6 +51,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--fractions", default="0,0.5,1", help="constrained fractions, comma list")
     p.add_argument("--rounds", type=int, default=2, help="rounds over the fractions (noise)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.set_defaults(run=cmd_structured_bench)
 
 
 def bench_tokenizer(vocab_size: int):

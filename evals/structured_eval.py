@@ -26,6 +26,7 @@ def add_parser(sub, common) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--plain-tokens", type=int, default=48, help="unconstrained rows' tokens")
+    p.set_defaults(run=cmd_structured)
 
 
 def _chat(tok, text: str) -> str:
