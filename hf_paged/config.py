@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# "auto": the model's dtype; "fp8_e4m3"/"fp8_e5m2": float8 with per-layer scales
+# "auto": the model's dtype; "fp8_e4m3"/"fp8_e5m2": float8 with per-KV-head scales
 # (hf_paged/quantization/kv_cache.py, docs/quantization.md)
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2")
 
@@ -28,10 +28,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype
     # FP8 KV cache: one scale for every layer's K and V (stored = K / scale); None: calibrated
-    # per layer at start-up (hf_paged/quantization/kv_cache.py)
+    # per KV head of each layer at start-up (hf_paged/quantization/kv_cache.py)
     kv_cache_scale: float | None = None
-    # "fp8": the model's linear layers (not lm_head) quantised to float8_e4m3 with per-output-
-    # channel scales at start-up, the originals released (hf_paged/quantization/fp8_weights.py);
+    # "fp8": the model's linear layers (not lm_head) quantised to float8_e4m3 with a scale per
+    # output row and 128 input columns at start-up, the originals released
+    # (hf_paged/quantization/fp8_weights.py);
     # the model keeps them after the engine. None: the weights as loaded.
     quantization: str | None = None
     # CUDA only: capture the whole forward of pure-decode batches per batch-size bucket

@@ -65,7 +65,7 @@ class FusedProjection(nn.Module):
     def linear(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[rows]
         scale = self._buffers.get("weight_scale")
-        if scale is not None:  # FP8 weights (quantization="fp8"): per-row scales
+        if scale is not None:  # FP8 weights (quantization="fp8"): scales per row and 128 columns
             from hf_paged.quantization.fp8_weights import fp8_linear
 
             return fp8_linear(x, self.weight[rows], scale[rows], bias)

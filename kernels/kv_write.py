@@ -20,8 +20,9 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _CACHE_DTYPES = _FLOAT_DTYPES + tuple(FP8_MAX)
 
 
-def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """x / scale in the cache dtype, saturated for FP8 (a no-op cast for the float dtypes)."""
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """x / scale in the cache dtype, saturated for FP8 (a no-op cast for the float dtypes);
+    scale a float or a tensor broadcasting against x."""
     fmax = FP8_MAX.get(dtype)
     if fmax is None:
         return x.to(dtype)

@@ -41,7 +41,10 @@ def test_greedy_parity_against_fp8_rounded_reference(arch, kv, tiny_model, batch
     )
     assert torch.equal(out, ref)
     assert len(scales) == model.config.num_hidden_layers
-    assert all(0 < s < float("inf") for pair in scales for s in pair)
+    heads = model.config.num_key_value_heads
+    for pair in scales:  # calibrated: one scale per KV head
+        for s in pair:
+            assert s.shape == (heads,) and bool(((s > 0) & s.isfinite()).all())
     # the rounding is real: plain transformers differs somewhere for e5m2's 2-bit mantissa
     if kv == "fp8_e5m2" and arch == "llama":
         plain = model.generate(
@@ -65,8 +68,26 @@ def test_calibrated_scales_cover_the_calibration_activations(tiny_model):
     amax = _calibrate(model)
     fmax = FP8_MAX[torch.float8_e4m3fn]
     for layer, (k_scale, v_scale) in enumerate(scales):
-        assert k_scale == pytest.approx(HEADROOM * amax[layer][0] / fmax)
-        assert v_scale == pytest.approx(HEADROOM * amax[layer][1] / fmax)
+        torch.testing.assert_close(k_scale, HEADROOM * amax[layer][0] / fmax)
+        torch.testing.assert_close(v_scale, HEADROOM * amax[layer][1] / fmax)
+    assert amax[0][0].shape == (model.config.num_key_value_heads,)  # per KV head
+
+
+def test_per_head_scales_follow_each_head(tiny_model, batch_factory):
+    # one KV head's keys 1000x smaller than the others': its scale follows it (a per-layer
+    # scale would put them near the subnormals), and the output still equals the reference
+    model = tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+    head_dim = attn.head_dim
+    with torch.no_grad():
+        attn.k_proj.weight[:head_dim] *= 1e-3
+    ids, mask = batch_factory([6, 25])
+    out, ref, scales, _ = paged_and_reference(
+        model, ids, mask, {"kv_cache_dtype": "fp8_e4m3"}, max_new_tokens=10
+    )
+    assert torch.equal(out, ref)
+    k_scale = scales[1][0]
+    assert 300 < float(k_scale[1:].min() / k_scale[0]) < 3000
 
 
 def test_given_scale_used_for_every_layer(tiny_model, batch_factory):
@@ -164,10 +185,11 @@ def test_fp8_kv_on_gpu_graphs_parity_and_twice_the_blocks(tiny_model, batch_fact
     # exact parity; then a bf16 model: twice the blocks in the same gpu_memory_utilization
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in batch_factory(LENGTHS))
-    out, ref, _, _ = paged_and_reference(
+    out, ref, scales, _ = paged_and_reference(
         model, ids, mask, {"kv_cache_dtype": "fp8_e4m3"}, max_new_tokens=24
     )
     assert torch.equal(out, ref)
+    assert scales[0][0].is_cuda and scales[0][0].shape == (model.config.num_key_value_heads,)
     bf16 = tiny_model("llama", dtype=torch.bfloat16).cuda()
     blocks = {}
     for kv in ("auto", "fp8_e4m3"):
@@ -175,3 +197,67 @@ def test_fp8_kv_on_gpu_graphs_parity_and_twice_the_blocks(tiny_model, batch_fact
         blocks[kv] = eng.runner.num_blocks
         eng.shutdown()
     assert 1.95 <= blocks["fp8_e4m3"] / blocks["auto"] <= 2.05, blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fold_head_scales_equals_attention_over_rounded_kv(dtype):
+    # grouped-query attention (4 query heads per KV head) over per-head FP8-rounded K/V
+    # against the same attention with the scales folded into queries and outputs
+    from hf_paged.kernels.kv_write import quantize_ref
+
+    from hf_paged.quantization.kv_cache import fold_head_scales
+    from hf_paged.quantization.kv_reference import round_like_cache
+
+    gen = torch.Generator().manual_seed(0)
+    t, hkv, group, d = 12, 2, 4, 16
+    q = torch.randn(t, hkv * group, d, generator=gen).to(dtype)
+    k = (torch.randn(t, hkv, d, generator=gen) * torch.tensor([0.01, 3.0])[:, None]).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    k_scale, v_scale = torch.tensor([0.01, 3.0]) * 4 / 448, torch.tensor([0.02, 0.05])
+    fp8 = torch.float8_e4m3fn
+
+    def attend(q, k, v):  # [T, H, D] in float32, causal, K/V repeated per query group
+        k, v = (x.float().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k, v, is_causal=True
+        )
+        return out.transpose(0, 1)
+
+    # the reference rounds [batch, heads, tokens, dim]: the transformers layout
+    k_hat, v_hat = (
+        round_like_cache(x.transpose(0, 1)[None], fp8, s)[0].transpose(0, 1)
+        for x, s in ((k, k_scale), (v, v_scale))
+    )
+    ref = attend(q, k_hat, v_hat)
+    q2, k2, v2, out_scale = fold_head_scales(q, k, v, k_scale, v_scale)
+    k8, v8 = (quantize_ref(x, fp8, 1.0).float() for x in (k2, v2))
+    got = attend(q2, k8, v8) * out_scale
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    # per head: the small head's keys use the format's range (under the layer's largest scale
+    # they would sit near 1, among the subnormals' neighbours)
+    assert float(k8[:, 0].abs().max()) > 50
+
+
+def test_draft_model_over_fp8_caches(tiny_model):
+    # speculative decoding: the draft's cache is FP8 too, with its own per-head scales; greedy
+    # output as the FP8 engine's without a draft (verification steps write and read the same
+    # rounded K/V as single-token steps)
+    target, draft = tiny_model("llama"), tiny_model("llama", seed=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 23, 41)]
+    params = hf_paged.SamplingParams(max_tokens=16, temperature=0)
+    options = {"kv_cache_dtype": "fp8_e4m3"}
+    outs = []
+    spec = {"draft_model": draft, "speculative_policy": "fixed", "num_speculative_tokens": 3}
+    for extra in ({}, spec):
+        engine = hf_paged.Engine(target, **options, **extra)
+        try:
+            got = engine.generate(prompts, params, use_tqdm=False)
+            engine.check_invariants()
+            if extra:
+                assert engine.stats()["spec_num_proposed"] > 0
+        finally:
+            engine.shutdown()
+        outs.append([o.output_token_ids for o in got])
+    assert outs[0] == outs[1]

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from hf_paged.kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref
+from hf_paged.kernels.fp8_gemv import dequantize_weight, fp8_gemv, fp8_gemv_ref
 from torch import nn
 
 import hf_paged
@@ -24,14 +24,14 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def dequantised_copy(model: nn.Module) -> nn.Module:
-    """The model with every linear weight but lm_head rounded through FP8 (per-row scales)."""
+    """The model with every linear weight but lm_head rounded through FP8 (1x128 block scales)."""
     ref = copy.deepcopy(model)
     skip = ref.get_output_embeddings()
     with torch.no_grad():
         for module in ref.modules():
             if type(module) is nn.Linear and module is not skip:
                 w8, scale = quantize_weight(module.weight)
-                module.weight.copy_(w8.float() * scale[:, None])
+                module.weight.copy_(dequantize_weight(w8, scale))
     return ref
 
 
@@ -40,12 +40,18 @@ def dequantised_copy(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_gemv_matches_reference(rows, dtype, bias):
     gen = torch.Generator().manual_seed(0)
-    w8, scale = quantize_weight(torch.randn(40, 200, generator=gen))  # N, K not tile multiples
+    # N, K not tile multiples; the second scale block twice the first's magnitude
+    w = torch.randn(40, 200, generator=gen) * torch.where(torch.arange(200) < 128, 1.0, 2.0)
+    w8, scale = quantize_weight(w)
     x = torch.randn(rows, 200, generator=gen).to(dtype)
     b = torch.randn(40, generator=gen).to(dtype) if bias else None
     args = [t.to(DEVICE) if t is not None else None for t in (x, w8, scale, b)]
     got = fp8_gemv(*args)
     ref = fp8_gemv_ref(x.float(), w8, scale, None if b is None else b.float())
+    if rows == 3:  # the kernel reads the scales by their strides: a row-major copy agrees
+        row_major = args[2].contiguous()
+        assert row_major.stride() != args[2].stride()
+        torch.testing.assert_close(fp8_gemv(args[0], args[1], row_major, args[3]), got)
     assert got.dtype == dtype and not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), ref, atol=tol * 10, rtol=tol)
@@ -59,23 +65,36 @@ def test_fp8_gemv_refuses_bad_input():
         fp8_gemv(torch.randn(1, 32), w8.float(), scale)
     with pytest.raises(ValueError, match="weight"):
         fp8_gemv(torch.randn(1, 16), w8, scale)
+    with pytest.raises(ValueError, match="scale must be"):  # one scale per row: the old layout
+        fp8_gemv(torch.randn(1, 32), w8, scale[:, 0])
 
 
-def test_quantize_weight_per_output_channel():
-    w = torch.randn(6, 50) * torch.tensor([1e-3, 0.1, 1, 10, 100, 1e4])[:, None]
+def test_quantize_weight_per_block_of_128_columns():
+    # rows and 128-column blocks of very different magnitudes; K=300: a partial last block
+    w = torch.randn(6, 300) * torch.tensor([1e-3, 0.1, 1, 10, 100, 1e4])[:, None]
+    w = w * torch.tensor([1.0, 1e-3, 50.0]).repeat_interleave(128)[:300]
     w8, scale = quantize_weight(w)
-    assert w8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    torch.testing.assert_close(scale, w.abs().amax(1) / FP8_MAX)
-    back = w8.float() * scale[:, None]
-    # e4m3 keeps 3 mantissa bits: within 2^-4 relative (normal range), each row at its own scale
-    assert torch.all((back - w).abs() <= 2.0**-4 * w.abs() + 2.0**-9 * scale[:, None] * 2**6)
+    assert w8.dtype == torch.float8_e4m3fn and w8.shape == w.shape and w8.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (6, 3)
+    assert scale.stride() == (1, 6)  # N-major, as the blockwise scaled_mm reads it
+    expected = torch.stack([w[:, i : i + 128].abs().amax(1) for i in (0, 128, 256)], 1) / FP8_MAX
+    torch.testing.assert_close(scale, expected)
+    back = dequantize_weight(w8, scale)
+    # each block's largest weight is exact; e4m3 keeps 3 mantissa bits: within 2^-4 relative
+    # (normal range), each block at its own scale
+    per_col = scale.repeat_interleave(128, 1)[:, :300]
+    assert torch.all((back - w).abs() <= 2.0**-4 * w.abs() + 2.0**-9 * per_col * 2**6)
+    for i in (0, 128, 256):
+        blk = w[:, i : i + 128]
+        top = blk.abs().argmax(1, keepdim=True)
+        torch.testing.assert_close(back[:, i : i + 128].gather(1, top), blk.gather(1, top))
 
 
 def test_fp8_linear_cpu_is_weight_only_dequantised_matmul():
     lin = nn.Linear(24, 10, bias=True)
     q = Fp8Linear(lin)
     x = torch.randn(2, 5, 24)
-    expected = nn.functional.linear(x, q.weight.float() * q.weight_scale[:, None], lin.bias)
+    expected = nn.functional.linear(x, dequantize_weight(q.weight, q.weight_scale), lin.bias)
     torch.testing.assert_close(q(x), expected, atol=1e-5, rtol=1e-5)
     assert q.weight.dtype == torch.float8_e4m3fn
 
@@ -170,19 +189,35 @@ def test_peft_model_refused(peft_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 4, 16, 64, 512])
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 64, 100, 512])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_fp8_linear_real_shapes_gpu(rows, n, k):
-    # Llama-3-8B's fused qkv, o, gate/up and down shapes: the GEMV (<= 16 rows) and
-    # _scaled_mm with per-token activation scales (more rows) against the weight-only product
+    # Llama-3-8B's fused qkv, o, gate/up and down shapes: the GEMV (<= 16 rows) and the
+    # blockwise scaled_mm with 1x128 activation scales (more rows) against the weight-only
+    # product; weights whose 128-column blocks differ in magnitude, so a wrong block's scale shows
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w8, scale = quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    scale_blocks = torch.rand(k // 128, device="cuda", generator=gen) * 4 + 0.25
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    w8, scale = quantize_weight(w * scale_blocks.repeat_interleave(128))
     x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
     got = fp8_linear(x, w8, scale).float()
     ref = fp8_gemv_ref(x.float(), w8, scale)
     rel = (got - ref).norm() / ref.norm()
     # GEMV: bf16 output rounding only; scaled_mm adds e4m3 activation rounding (~2^-4 / sqrt)
     assert rel < (5e-3 if rows <= 16 else 3e-2), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_blockwise_scaled_mm_taken_on_hopper_gpu():
+    # the FP8 tensor-core path is the one large batches take on an H200 (not the fallback)
+    from hf_paged.quantization.fp8_weights import _blockwise_scaled_mm_ok
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("blockwise scaled_mm is a Hopper path")
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w8, _ = quantize_weight(torch.randn(4096, 4096, device="cuda"))
+    assert _blockwise_scaled_mm_ok(x, w8), torch.version.cuda
 
 
 @pytest.mark.gpu

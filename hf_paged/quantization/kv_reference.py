@@ -20,13 +20,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 FAKE_QUANT_IMPL = "hf_paged_fp8_kv_reference"
 
 # (the wrapped attention implementation's name, cache dtype, (k_scale, v_scale) per layer)
-_active: tuple[str, torch.dtype, list[tuple[float, float]]] | None = None
+_active: tuple[str, torch.dtype, list[tuple]] | None = None
 
 
-def round_like_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """x as an FP8 cache of that dtype and scale returns it to the attention kernels."""
+def round_like_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """x [batch, kv heads, tokens, head_dim] as an FP8 cache of that dtype and scale (a float,
+    or one per KV head) returns it to the attention."""
     from hf_paged.kernels.kv_write import quantize_ref
 
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(x.device)[:, None, None]
     return (quantize_ref(x, dtype, scale).float() * scale).to(x.dtype)
 
 

@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hf_paged.quantization.kv_cache import fold_head_scales
 from hf_paged.worker.forward_context import AttentionMetadata, get_forward_context, in_engine_step
 
 ATTN_IMPLEMENTATION = "hf_paged"
@@ -348,6 +349,10 @@ def _paged_attention(
         )
     backend = ctx.backend
     k_scale, v_scale = ctx.kv_scales[layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
+    out_scale = None
+    if isinstance(k_scale, torch.Tensor):  # FP8 cache, one scale per KV head: folded around
+        q, k, v, out_scale = fold_head_scales(q, k, v, k_scale, v_scale)
+        k_scale = v_scale = 1.0
     slots = ctx.attn_metadata.slot_mapping
     backend.write_kv(k, v, key_cache, value_cache, slots, k_scale, v_scale)
     out = backend.paged_attention(
@@ -363,6 +368,8 @@ def _paged_attention(
         v_scale=v_scale,
         alibi_slopes=alibi,
     )
+    if out_scale is not None:
+        out = (out.float() * out_scale).to(out.dtype)
     return out.contiguous()
 
 

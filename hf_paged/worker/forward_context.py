@@ -101,8 +101,9 @@ class ForwardContext:
     # LoRA (hf_paged.lora.batch.LoraBatch): each token's adapter slot; None when no token of
     # the step has an adapter
     lora_groups: object | None = None
-    # FP8 KV caches: (k_scale, v_scale) per layer (hf_paged/quantization/kv_cache.py)
-    kv_scales: list[tuple[float, float]] | None = None
+    # FP8 KV caches: (k_scale, v_scale) per layer, each a float or one per KV head
+    # (hf_paged/quantization/kv_cache.py)
+    kv_scales: list[tuple] | None = None
     # int64 [T]: each token's position in its sequence, set by ModelForward for the step (read
     # by positional embeddings that build positions from the flat batch's length otherwise)
     positions: torch.Tensor | None = None

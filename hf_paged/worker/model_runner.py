@@ -66,9 +66,10 @@ class ModelRunner:
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model_dtype)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec(model, config.block_size, kv_dtype)
-        # FP8 caches: (k_scale, v_scale) per layer, fixed from here on (CUDA graphs bake them)
+        # FP8 caches: (k_scale, v_scale) per layer or per KV head, fixed from here on (CUDA
+        # graphs bake them)
         self.kv_scales = kv_cache_scales(
-            model, self.kv_spec.num_layers, kv_dtype, config.kv_cache_scale
+            model, [s.num_kv_heads for s in self.kv_spec.layers], kv_dtype, config.kv_cache_scale
         )
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
