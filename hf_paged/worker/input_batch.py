@@ -101,7 +101,14 @@ class InputBatch:
     def add_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
         """Sampled tokens known on the host: each is its row's next input, and the next entry
         of its sampling history (for the rows whose sampling reads it). Idempotent: a token
-        already in a row's history (landed early for a grammar matcher) is not added again."""
+        already in a row's history (landed early for a grammar matcher) is not added again.
+        A negative token is skipped: beam rows sample nothing (beam search rewrites them)."""
+        if min(tokens) < 0:
+            keep = np.asarray(tokens) >= 0
+            rows, positions = rows[keep], positions[keep]
+            tokens = [t for t in tokens if t >= 0]
+            if not tokens:
+                return
         self.token_ids[rows, positions] = tokens
         self.num_known[rows] = positions + 1
         history = self.needs_history[rows]

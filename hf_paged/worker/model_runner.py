@@ -231,7 +231,7 @@ class ModelRunner:
         else:
             tokens = tokens_t.tolist() if tokens_t is not None else []
         if tokens:
-            self._add_tokens(step.rows[sample_idx], step.seq_lens[sample_idx], tokens)
+            self.input_batch.add_tokens(step.rows[sample_idx], step.seq_lens[sample_idx], tokens)
         extra = sampled.runner_output_fields() if sampled is not None else {}
         proposals = None
         if self.spec is not None and sample_rows:
@@ -272,9 +272,11 @@ class ModelRunner:
             return None
         live = self.input_batch.epoch[pending.rows] == pending.epochs
         if live.all():
-            self._add_tokens(pending.rows, pending.positions, tokens.tolist())
+            self.input_batch.add_tokens(pending.rows, pending.positions, tokens.tolist())
         elif live.any():
-            self._add_tokens(pending.rows[live], pending.positions[live], tokens[live].tolist())
+            self.input_batch.add_tokens(
+                pending.rows[live], pending.positions[live], tokens[live].tolist()
+            )
         return tokens
 
     def _update_rows(self, batch: ScheduledBatch) -> None:
@@ -286,15 +288,6 @@ class ModelRunner:
             self.copy_blocks(batch.block_copies)
         for data in batch.new_requests:
             self.input_batch.add(data)
-
-    def _add_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
-        if min(tokens) < 0:  # beam rows sample nothing: beam search rewrites them
-            keep = np.asarray(tokens) >= 0
-            rows, positions = rows[keep], positions[keep]
-            tokens = [t for t in tokens if t >= 0]
-            if not tokens:
-                return
-        self.input_batch.add_tokens(rows, positions, tokens)
 
     def _run_forward(self, step: StepInputs, kept: KeptRows):
         """The step's logits rows: a decode graph, a mixed graph, or the forward as it is.

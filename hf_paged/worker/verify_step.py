@@ -47,7 +47,9 @@ def verify_step(runner, batch, step, kept, logits, prompt_logprobs) -> ModelRunn
     # rows learn their tokens: one each for plain rows, the accepted run for verified ones
     rows, positions = step.rows[sample_idx], step.seq_lens[sample_idx]
     if plain.size:
-        runner._add_tokens(rows[plain], positions[plain], [tokens[n] for n in plain.tolist()])
+        runner.input_batch.add_tokens(
+            rows[plain], positions[plain], [tokens[n] for n in plain.tolist()]
+        )
     for n, run in zip(spec.tolist(), verified):
         row = int(rows[n])
         start = int(step.total_tokens[sample_idx[n]])
