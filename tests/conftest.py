@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (`pytest -n N`) share the cores: intra-op threads per worker are
+# divided among them, so N workers do not run N x cores threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 import pytest  # noqa: E402
 import transformers  # noqa: E402
 
