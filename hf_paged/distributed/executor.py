@@ -167,6 +167,10 @@ class TensorParallelExecutor:
 
     def _fail(self, reason: str) -> None:
         if self.failure is None:
+            # a collective fails as soon as a peer dies, possibly before the dead process is
+            # reaped: a moment's wait lets the message name the rank that exited
+            for proc in self.procs:
+                proc.join(0.2)
             messages = self._worker_errors() + [
                 f"rank {rank} exited (exit code {proc.exitcode})"
                 for rank, proc in enumerate(self.procs, start=1)
