@@ -58,14 +58,46 @@ def _key_value(key):
 
 
 @triton.jit
+def _row_z(row_ptr, offs, V, T):
+    """z = x / T in float32; lanes past the row read -inf."""
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    z = x / T
+    return tl.where(z == 0.0, 0.0, z)  # -0.0 and +0.0 are one value
+
+
+@triton.jit
 def _row_keys(row_ptr, offs, V, T):
     """z (float32) and its order-preserving int32 key; lanes past the row get the key INT_MIN,
     below every real value (-inf included), so no count sees them."""
-    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    z = x / T
-    z = tl.where(z == 0.0, 0.0, z)  # -0.0 and +0.0 are one value
+    z = _row_z(row_ptr, offs, V, T)
     key = tl.where(offs < V, _float_key(z), -2147483648)
     return z, key
+
+
+@triton.jit
+def _draw(row_ptr, V, T, m, cut, min_p, target, BLOCK: tl.constexpr):
+    """The first index of the kept set {z >= cut, exp(z - m) >= min_p} whose running mass in
+    index order exceeds target; rounding may leave the target unreached: the last kept index.
+    Stops at the drawn token (on average about half a read of the row). Both sampling kernels
+    draw with it, so one rule holds wherever a row is sampled."""
+    found = -1
+    last = 0
+    acc = 0.0
+    start = 0
+    while (found < 0) & (start < V):
+        offs = start + tl.arange(0, BLOCK)
+        z = _row_z(row_ptr, offs, V, T)
+        e = tl.exp(z - m)
+        w = tl.where((z >= cut) & (e >= min_p) & (offs < V), e, 0.0)
+        block_mass = tl.sum(w)
+        if acc + block_mass > target:
+            cs = acc + tl.cumsum(w, 0)
+            first = tl.min(tl.where((cs > target) & (w > 0.0), offs, V))
+            found = tl.where(first < V, first, -1)
+        last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, -1)))
+        acc += block_mass
+        start += BLOCK
+    return tl.where(found >= 0, found, last)
 
 
 @triton.jit
@@ -211,26 +243,8 @@ def _sample_rows_kernel(
             z, key = _row_keys(row_ptr, offs, V, T)
             e = tl.exp(z - m)
             kept_mass += tl.sum(tl.where((key >= t) & (e >= min_p), e, 0.0))
-    # inverse CDF in index order; rounding may leave the target unreached: the last kept token
-    target = u * kept_mass
-    found = -1
-    last = 0
-    acc = 0.0
-    start = 0
-    while (found < 0) & (start < V):
-        offs = start + tl.arange(0, BLOCK)
-        z, key = _row_keys(row_ptr, offs, V, T)
-        e = tl.exp(z - m)
-        w = tl.where((key >= t) & (e >= min_p) & (offs < V), e, 0.0)
-        block_mass = tl.sum(w)
-        if acc + block_mass > target:
-            cs = acc + tl.cumsum(w, 0)
-            first = tl.min(tl.where((cs > target) & (w > 0.0), offs, V))
-            found = tl.where(first < V, first, -1)
-        last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, -1)))
-        acc += block_mass
-        start += BLOCK
-    token = tl.where(found >= 0, found, last)
+    # inverse CDF in index order over {key >= t}, i.e. {z >= the value of key t}
+    token = _draw(row_ptr, V, T, m, _key_value(t), min_p, u * kept_mass, BLOCK)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .sampling import _draw, _row_z
+
 TOPK_CAP = 1024  # rows with a larger k take kernels/sampling.py
 _MIN_KP = 64  # list lengths are powers of two from here: few kernel variants to compile
 _BLOCK = 4096
@@ -37,13 +39,6 @@ _BLOCK = 4096
 def list_length(k_max: int) -> int:
     """The candidate list length for a group whose largest top_k is k_max (<= TOPK_CAP)."""
     return max(_MIN_KP, triton.next_power_of_2(k_max))
-
-
-@triton.jit
-def _row_z(row_ptr, offs, V, T):
-    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    z = x / T
-    return tl.where(z == 0.0, 0.0, z)  # -0.0 and +0.0 are one value
 
 
 @triton.jit
@@ -98,26 +93,8 @@ def _topk_rows_kernel(
     keep_t = (cut == t) & (e_t >= min_p)
     kept_mass = tl.sum(tl.where(above & (zc >= cut) & (e >= min_p), e, 0.0))
     kept_mass += tl.where(keep_t, tail * e_t, 0.0)
-    # pass 2: inverse CDF in index order; rounding may leave the target unreached: last kept
-    target = u * kept_mass
-    found = -1
-    last = 0
-    acc = 0.0
-    start = 0
-    while (found < 0) & (start < V):
-        offs = start + tl.arange(0, BLOCK)
-        z = _row_z(row_ptr, offs, V, T)
-        ez = tl.exp(z - m)
-        wz = tl.where((z >= cut) & (ez >= min_p) & (offs < V), ez, 0.0)
-        block_mass = tl.sum(wz)
-        if acc + block_mass > target:
-            cs = acc + tl.cumsum(wz, 0)
-            first = tl.min(tl.where((cs > target) & (wz > 0.0), offs, V))
-            found = tl.where(first < V, first, -1)
-        last = tl.maximum(last, tl.max(tl.where(wz > 0.0, offs, -1)))
-        acc += block_mass
-        start += BLOCK
-    token = tl.where(found >= 0, found, last)
+    # pass 2: inverse CDF in index order, kernels/sampling.py's draw
+    token = _draw(row_ptr, V, T, m, cut, min_p, u * kept_mass, BLOCK)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 

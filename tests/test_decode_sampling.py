@@ -41,6 +41,7 @@ def _generate(model, prompts, params, graphs: bool, **opts):
     if graphs:
         calls["graph draws"] = eng.runner.graphs.sampling.replays
         calls["decode replays"] = eng.runner.graphs.replays["decode"]
+    eng.runner.sampler = real  # (its grammar helper is closed at shutdown)
     eng.shutdown()
     return [o.output_token_ids for o in outs], calls
 

@@ -13,6 +13,8 @@ Per step, after the target's tokens are known:
    chunk the target computed, the tokens a verify step accepted, the target's last token),
    whose last logits give the first proposal d_1 (its greedy token);
 2. k - 1 decode forwards, feeding d_1 .. d_{k-1}, give d_2 .. d_k.
+All k are queued without a wait between them (each reads the token drawn before it on the
+device, as asynchronous scheduling does); the host reads the proposals once, after the last.
 The draft's KV for d_1 .. d_{k-1} is valid as far as the target accepts them (on_verified);
 past that the next catch-up rewrites it.
 
@@ -68,7 +70,8 @@ class DraftProposer:
             config,
             num_blocks=num_blocks,
             draft_model=None,
-            async_scheduling=False,
+            # its decode forwards read their input token on the device (see propose())
+            async_scheduling=True,
             verify_model=False,
         )
         try:
@@ -115,26 +118,38 @@ class DraftProposer:
                 want[rid] = (k, known, batch.block_ids[i])
         if not catch_up.req_ids:
             return {}
-        out = self.runner.execute(catch_up)
-        proposals = {
-            rid: [t]
-            for rid, t in zip(catch_up.req_ids, out.sampled_token_ids)
-            if t >= 0 and rid in want
-        }
+        # The chain runs as asynchronous scheduling does: each decode forward reads the token
+        # the one before it drew from the runner's last_tokens on the device, and the host
+        # reads a step's tokens after queuing the next one (the runner's landing buffers hold
+        # two steps), so the GPU runs the k forwards back to back while the host prepares.
+        proposals: dict[str, list[int]] = {}
+        before = None  # the step queued before, not read yet
+
+        def read(scheduled: ScheduledBatch, pending) -> None:
+            out = self.runner.finish_async(pending)
+            for rid, t in zip(scheduled.req_ids, out.sampled_token_ids):
+                if scheduled is catch_up and t >= 0 and rid in want:
+                    proposals[rid] = [t]
+                elif scheduled is not catch_up and rid in proposals:
+                    proposals[rid].append(t)
+
+        chain = [catch_up]  # then the decode steps: d_j in, d_{j+1} out
         for j in range(1, max((k for k, _, _ in want.values()), default=0)):
             decode = ScheduledBatch()
             for rid, (k, known, block_ids) in want.items():
-                if k > j and rid in proposals:
+                if k > j:  # (every proposing request samples in the catch-up: end == known)
                     decode.req_ids.append(rid)
                     decode.num_computed_tokens.append(known + j - 1)
                     decode.num_scheduled_tokens.append(1)
                     decode.num_tokens.append(known + j)
                     decode.block_ids.append(block_ids)
-            if not decode.req_ids:
-                break
-            out = self.runner.execute(decode)
-            for rid, t in zip(decode.req_ids, out.sampled_token_ids):
-                proposals[rid].append(t)
+            chain.append(decode)
+        for scheduled in chain:
+            pending = self.runner.execute(scheduled, async_output=True)
+            if before is not None:
+                read(*before)
+            before = (scheduled, pending)
+        read(*before)
         for rid, tokens in proposals.items():
             self.fed[rid] = (want[rid][1], len(tokens))
         return proposals
