@@ -144,12 +144,15 @@ def _run_draft(args):
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     total = args.prompt_len + args.max_new_tokens + args.num_speculative_tokens
     blocks = max_b * (-(-total // 16) + 1) + 64
+    # a verify step keeps up to max_num_seqs logits rows and still replays a graph (the
+    # policy proposes no more than that): room for k + 1 rows a request at the small batches
+    max_seqs = max(max_b, 128)
     t0 = time.perf_counter()
     engine = hf_paged.Engine(
         target.model,
         draft_model=draft.model,
         num_speculative_tokens=args.num_speculative_tokens,
-        max_num_seqs=max_b,
+        max_num_seqs=max_seqs,
         num_blocks=blocks,
         max_model_len=total + 16,
     )

@@ -30,7 +30,9 @@ from .kv_write import check_launchable
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+# Arguments that follow the step's token count (the split, the partial products' stride) are not
+# specialised: Triton would compile a variant per value class, inside whichever step met it first
+@triton.jit(do_not_specialize=["stride_os", "K_PER_SPLIT"])
 def _lora_shrink_kernel(
     x_ptr,  # [T, K] activations
     a_ptr,  # [S, R, K] stacked A
@@ -90,7 +92,7 @@ def _lora_shrink_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ss", "SPLIT_K"])
 def _lora_expand_kernel(
     y_ptr,  # [T, N] the base layer's output, updated in place
     s_ptr,  # f32 [SPLIT_K, T, R] shrink's partial products
@@ -105,7 +107,7 @@ def _lora_expand_kernel(
     stride_st,
     stride_bs,
     stride_bn,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,  # a run-time loop bound: the split follows the token count (_split_k)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -126,7 +128,7 @@ def _lora_expand_kernel(
         r_mask = offs_r < R
         s_mask = m_mask[:, None] & r_mask[None, :]
         s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for i in tl.static_range(SPLIT_K):
+        for i in range(SPLIT_K):
             s += tl.load(
                 s_ptr + i * stride_ss + tokens[:, None] * stride_st + offs_r[None, :],
                 mask=s_mask,

@@ -187,6 +187,35 @@ def test_peft_model_refused(peft_model):
         hf_paged.Engine(peft_model(), quantization="fp8")
 
 
+def test_start_up_check_runs_fp8_products_weight_only(tiny_model, monkeypatch):
+    # the blockwise op reads weight_only() when it runs (it is opaque to torch.compile): inside
+    # it, the weight-only product; and the start-up check holds it around both forwards
+    from hf_paged.engine import verify
+    from hf_paged.quantization import fp8_weights
+
+    x = torch.randn(20, 256)
+    w8, scale = quantize_weight(torch.randn(64, 256))
+    with fp8_weights.weight_only():
+        got = torch.ops.hf_paged.fp8_scaled_mm(x, w8, scale, None)
+    assert torch.equal(got, fp8_gemv_ref(x, w8, scale))
+    assert not fp8_weights._WEIGHT_ONLY[0]
+    held = []
+    real_ref, real_paged = verify._reference_logits, verify._paged_logits
+    monkeypatch.setattr(
+        verify,
+        "_reference_logits",
+        lambda *a: held.append(fp8_weights._WEIGHT_ONLY[0]) or real_ref(*a),
+    )
+    monkeypatch.setattr(
+        verify,
+        "_paged_logits",
+        lambda *a: held.append(fp8_weights._WEIGHT_ONLY[0]) or real_paged(*a),
+    )
+    engine = hf_paged.Engine(tiny_model("llama"), quantization="fp8")
+    engine.shutdown()
+    assert held == [True, True]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 4, 16, 17, 64, 100, 512])
@@ -245,3 +274,33 @@ def test_finegrained_fp8_checkpoint_runs_as_loaded_gpu(tiny_model, batch_factory
     finally:
         hf_paged.unpatch(model)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_fp8_engine_compiles_llama_3_8b_layers_gpu():
+    # two decoder layers of Llama-3-8B's shape under the engine's defaults (torch.compile of each
+    # layer, CUDA graphs, mixed steps): inductor once crashed compiling the traced activation
+    # quantisation of the blockwise scaled_mm; greedy tokens as the same engine without compile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=2048, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    prompts = [[(7 * i + j) % 2000 + 3 for j in range(n)] for i, n in enumerate((5, 40, 300))]
+    params = hf_paged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for compile_ in (True, False):
+        engine = hf_paged.Engine(model, quantization="fp8", compile=compile_, max_num_seqs=8)
+        try:
+            outs[compile_] = [o.output_token_ids for o in engine.generate(prompts, params)]
+            engine.check_invariants()
+        finally:
+            engine.shutdown()
+    assert all(len(o) == 12 for o in outs[True])
+    same = sum(a == b for x, y in zip(outs[True], outs[False]) for a, b in zip(x, y))
+    assert same >= 30, outs  # bf16: a near-tie may round apart late in a sequence

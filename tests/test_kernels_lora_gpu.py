@@ -144,3 +144,30 @@ def test_capturable_in_a_cuda_graph():
         seg = lora_segments(slots, NUM_SLOTS)
         lora_expand(want, lora_shrink(x, a, *seg, split_k=4), b, scale, *seg)
         assert torch.equal(y, want)
+
+
+def _variants(jit_fn) -> int:
+    return sum(len(cache[0]) for cache in jit_fn.device_caches.values())
+
+
+def test_no_new_variant_per_token_count():
+    """Token counts 1 to 8192 compile at most one shrink and one expand variant per token tile
+    size (16 up to 256 tokens, 64 beyond): the split follows the token count, and a variant per
+    split used to compile (~1 s each) inside whichever prefill chunk met it first."""
+    from hf_paged.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = _stack(NUM_SLOTS, 16, 2048, g, torch.bfloat16)
+    b = _stack(NUM_SLOTS, 5632, 16, g, torch.bfloat16)
+    scale = torch.ones(NUM_SLOTS, device="cuda")
+    kernels = (_lora_shrink_kernel, _lora_expand_kernel)
+    before = [_variants(k) for k in kernels]
+    for t in (1, 7, 200, 256, 257, 300, 1000, 1100, 2048, 3000, 4097, 8192):
+        slots = _slots(t, "prefill", g)
+        segments = lora_segments(slots, NUM_SLOTS)
+        x = torch.randn(t, 2048, generator=g, device="cuda").bfloat16()
+        y = torch.zeros(t, 5632, device="cuda").bfloat16()
+        lora_expand(y, lora_shrink(x, a, *segments), b, scale, *segments)
+    torch.cuda.synchronize()
+    added = [_variants(k) - n for k, n in zip(kernels, before)]
+    assert max(added) <= 2, added  # one per tile size (t <= 256: 16 rows, more: 64)

@@ -94,6 +94,35 @@ def test_kernel_warm_up_runs_every_variant(tiny_model, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # slots -1: nothing written
 
 
+def test_kernel_warm_up_runs_each_shape_on_an_adapter_too(peft_model, monkeypatch):
+    # a PeftModel's LoRA shrink/expand variants compile at start-up: every warm-up shape runs
+    # once without and once with every token on slot 0, plus a prefill past the kernels' 256-token
+    # tile; nothing is written to the cache
+    from hf_paged.lora import layers
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    engine = Engine(peft_model(), attention_backend="triton", max_model_len=512)
+    calls = []
+    real = layers.lora_add_
+
+    def recording(y, x, a, b, scale):
+        ctx = layers.get_forward_context()
+        batch = ctx.lora_groups
+        calls.append(None if batch is None else batch.token_slots.tolist())
+        return real(y, x, a, b, scale)
+
+    monkeypatch.setattr(layers, "lora_add_", recording)
+    before = [c.clone() for pair in engine.runner.kv_caches for c in pair]
+    r = engine.runner
+    warm_up_kernels(r.forward, r.kv_caches, r.backend, engine.config, r.device, lora=True)
+    on_adapter = [c for c in calls if c is not None]
+    assert on_adapter and all(set(c) == {0} for c in on_adapter)
+    assert len(on_adapter) == len(calls) - len(on_adapter)  # each shape both ways
+    assert max(len(c) for c in on_adapter) > 256
+    after = [c for pair in engine.runner.kv_caches for c in pair]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 def test_step_metadata_carries_the_shortest_query(tiny_model, monkeypatch):
     # computed once per step on the host; the Triton wrapper reads it instead of scanning the
     # query starts in every layer

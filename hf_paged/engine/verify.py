@@ -17,6 +17,7 @@ import inspect
 
 import torch
 
+from hf_paged.quantization.fp8_weights import weight_only
 from hf_paged.quantization.kv_reference import fake_quantized_kv
 from hf_paged.worker.forward_context import AttentionMetadata, ForwardContext, forward_context
 
@@ -65,11 +66,15 @@ def verify_model(model: torch.nn.Module, runner, lease) -> float | None:
     gen = torch.Generator().manual_seed(0)
     # token ids from the upper half of the vocabulary: clear of the usual pad/bos/eos ids
     seqs = [torch.randint(vocab // 2, vocab, (n + 1,), generator=gen) for n in lengths]
-    reference = _reference_logits(model, lease, seqs, runner)
+    # FP8 weights weight-only on both sides: the paged batch and each prompt alone have row
+    # counts on different sides of the activation-quantising path (quantization/fp8_weights.py)
+    with weight_only():
+        reference = _reference_logits(model, lease, seqs, runner)
     if reference is None:
         return None
     try:
-        prefill, decode = _paged_logits(runner, seqs)
+        with weight_only():
+            prefill, decode = _paged_logits(runner, seqs)
     except ValueError as exc:  # a refusal that names its cause (attention sinks, shapes, ...)
         raise ValueError(f"model: {name}: {exc}") from exc
     except Exception as exc:

@@ -21,6 +21,8 @@ After the engine the model keeps its FP8 layers: the original weights are gone.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -92,6 +94,22 @@ def _blockwise_scaled_mm(x, weight, scale, bias):
     return out if bias is None else out + bias
 
 
+_WEIGHT_ONLY = [False]  # set by weight_only(): the start-up check's forwards
+
+
+@contextlib.contextmanager
+def weight_only():
+    """Every FP8 product weight-only while it is held: the start-up check (engine/verify.py)
+    compares the paged forward with transformers' own on prompts whose row counts put them on
+    different sides of MAX_ROWS (one flat batch against each prompt alone), so activation
+    rounding would differ between the two for reasons that are not the attention's."""
+    _WEIGHT_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _WEIGHT_ONLY[0] = False
+
+
 def fp8_linear(x, weight, scale, bias=None):
     """x [..., K] @ dequantised(weight).T (+ bias), in x's dtype; scale [N, ceil(K / 128)]."""
     from hf_paged.kernels.fp8_gemv import MAX_ROWS, fp8_gemv_ref
@@ -102,7 +120,7 @@ def fp8_linear(x, weight, scale, bias=None):
     if x.is_cuda and 1 <= rows <= MAX_ROWS:
         out = torch.ops.hf_paged.fp8_gemv(x2.contiguous(), weight, scale, bias)
     elif rows and _blockwise_scaled_mm_ok(x2, weight):
-        out = _blockwise_scaled_mm(x2.contiguous(), weight, scale, bias)
+        out = torch.ops.hf_paged.fp8_scaled_mm(x2.contiguous(), weight, scale, bias)
     else:
         out = fp8_gemv_ref(x2, weight, scale, bias)
     return out.reshape(*shape[:-1], weight.shape[0])
@@ -119,6 +137,26 @@ def _fp8_gemv_op(
 
 
 @_fp8_gemv_op.register_fake
+def _(x, weight, scale, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("hf_paged::fp8_scaled_mm", mutates_args=())
+def _fp8_scaled_mm_op(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # opaque to torch.compile: traced, the activations' padding and 1x128 quantisation under
+    # dynamic row counts crashed inductor's tiling analysis on the H200 (torch 2.11: an
+    # AssertionError in get_pw_red_splits while compiling a Llama-3-8B decoder layer). Being
+    # opaque, it also reads weight_only() when it runs, not when it was traced.
+    if _WEIGHT_ONLY[0]:
+        from hf_paged.kernels.fp8_gemv import fp8_gemv_ref
+
+        return fp8_gemv_ref(x, weight, scale, bias)
+    return _blockwise_scaled_mm(x, weight, scale, bias)
+
+
+@_fp8_scaled_mm_op.register_fake
 def _(x, weight, scale, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 

@@ -116,7 +116,9 @@ class ModelRunner:
         self.warm_up_seconds = 0.0
         if self.device.type == "cuda" and self.backend.name == "triton":
             t0 = time.perf_counter()
-            warm_up_kernels(self.forward, self.kv_caches, self.backend, config, self.device)
+            warm_up_kernels(
+                self.forward, self.kv_caches, self.backend, config, self.device, self.lora
+            )
             self.warm_up_seconds = time.perf_counter() - t0
         blocker = graph_blocker(self.model) if config.cuda_graphs else None
         if blocker is not None and self.device.type == "cuda":

@@ -187,11 +187,16 @@ def _profile_cuda_num_blocks(
 
 
 @torch.inference_mode()
-def warm_up_kernels(forward, kv_caches, backend, cfg: EngineConfig, device: torch.device) -> None:
+def warm_up_kernels(
+    forward, kv_caches, backend, cfg: EngineConfig, device: torch.device, lora: bool = False
+) -> None:
     """Run the attention-kernel variants a run can meet (mixed prefill + decode, decode with
     and without the flash-decoding split, short and long contexts) once now. Triton compiles
     a variant on first use, ~1 s each for the paged kernel on the H200: without this, the
-    first mixed steps of a run pay for it. Nothing is written (slots -1); logits are unused."""
+    first mixed steps of a run pay for it. Nothing is written (slots -1); logits are unused.
+    With LoRA layers, each shape runs again with every token on adapter slot 0 (and a prefill
+    past 256 tokens, the LoRA kernels' larger token tile): the shrink/expand variants compile
+    here, not inside the first adapter requests."""
     bs = cfg.block_size
     long = min(cfg.max_model_len, 4096)
     shapes = (
@@ -211,6 +216,8 @@ def warm_up_kernels(forward, kv_caches, backend, cfg: EngineConfig, device: torc
         # transformers' forward and the general kernel's decode tiles, split and not
         over = most + 1
         shapes += (([1] * over, [long] * over), ([1] * over, [8] * over))
+    if lora:
+        shapes += (([300], [300]),)
     for q_lens, seq_lens in shapes:
         width = -(-max(seq_lens) // bs)
         table = torch.zeros((len(q_lens), width), dtype=torch.int32, device=device)
@@ -218,8 +225,15 @@ def warm_up_kernels(forward, kv_caches, backend, cfg: EngineConfig, device: torc
         pos = torch.cat([torch.arange(s - q, s, device=device) for q, s in zip(q_lens, seq_lens)])
         ids = torch.zeros_like(pos)
         keep = torch.tensor(np.cumsum(q_lens) - 1, device=device)
-        with forward_context(ForwardContext(meta, kv_caches, backend)):
-            forward(ids, pos, keep)
+        for on_adapter in (False, True) if lora else (False,):
+            ctx = ForwardContext(meta, kv_caches, backend)
+            if on_adapter:
+                from hf_paged.lora.batch import lora_batch
+
+                slots = np.zeros(len(ids), dtype=np.int32)
+                ctx.lora_groups = lora_batch(slots, cfg.max_loras, device)
+            with forward_context(ctx):
+                forward(ids, pos, keep)
     torch.cuda.synchronize(device)
 
 
