@@ -159,21 +159,3 @@ def test_shutdown_with_a_deferred_sampling(model, tok):
     assert pending is not None and pending.deferred is not None  # queued by the next step
     eng.shutdown()  # queues it: nothing waits forever on it
     assert pending.deferred is None and pending.host is not None
-
-
-def test_overlapping_helpers_put_the_switch_interval_back():
-    # two engines' helpers in one process, ending in either order: the interval they found
-    # comes back once both have ended, never the shortened one
-    import sys
-
-    from hf_paged.structured_output import logits_mask as lm
-
-    found = sys.getswitchinterval()
-    lm._shorten_switch_interval()
-    lm._shorten_switch_interval()
-    short = pytest.approx(min(found, lm._HELPER_SWITCH_INTERVAL_S), rel=1e-6)
-    assert sys.getswitchinterval() == short
-    lm._restore_switch_interval()
-    assert sys.getswitchinterval() == short
-    lm._restore_switch_interval()
-    assert sys.getswitchinterval() == pytest.approx(found, rel=1e-6)

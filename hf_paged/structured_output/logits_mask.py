@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -80,25 +79,6 @@ def fill_threads() -> int:
 # the GIL only between xgrammar's calls (which release it), and at Python's default 5 ms each
 # of those hand-overs could wait for the step loop's whole interval.
 _HELPER_SWITCH_INTERVAL_S = 2e-4
-# helpers running now (engines of one process overlap) and the interval they found: the last to
-# end puts it back, whatever order they end in
-_short_interval = {"running": 0, "saved": 0.0}
-_interval_lock = threading.Lock()
-
-
-def _shorten_switch_interval() -> None:
-    with _interval_lock:
-        if _short_interval["running"] == 0:
-            _short_interval["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_short_interval["saved"], _HELPER_SWITCH_INTERVAL_S))
-        _short_interval["running"] += 1
-
-
-def _restore_switch_interval(_=None) -> None:
-    with _interval_lock:
-        _short_interval["running"] -= 1
-        if _short_interval["running"] == 0:
-            sys.setswitchinterval(_short_interval["saved"])
 
 
 class GrammarBitmask:
@@ -120,13 +100,14 @@ class GrammarBitmask:
         put back as it ends (even when no one takes the result)."""
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
-        _shorten_switch_interval()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _HELPER_SWITCH_INTERVAL_S))
         try:
             future = self._helper.submit(self.prepare, rows, vocab)
         except BaseException:
-            _restore_switch_interval()
+            sys.setswitchinterval(interval)
             raise
-        future.add_done_callback(_restore_switch_interval)
+        future.add_done_callback(lambda _: sys.setswitchinterval(interval))
         return future
 
     def close(self) -> None:
