@@ -81,6 +81,22 @@ def fill_threads() -> int:
 _HELPER_SWITCH_INTERVAL_S = 2e-4
 
 
+class EarlyMask:
+    """A bitmask being prepared on the helper thread; result() waits for it and puts the
+    switch interval back."""
+
+    def __init__(self, future: Future, interval: float) -> None:
+        self._future, self._interval = future, interval
+
+    def result(self) -> GrammarMask:
+        try:
+            return self._future.result()
+        finally:
+            if self._interval is not None:
+                sys.setswitchinterval(self._interval)
+                self._interval = None
+
+
 class GrammarBitmask:
     """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand), the
     batch matcher and the helper thread that prepares a deferred step's bitmask early."""
@@ -91,24 +107,21 @@ class GrammarBitmask:
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._helper: ThreadPoolExecutor | None = None
 
-    def prepare_early(self, rows: list, vocab: int) -> Future:
+    def prepare_early(self, rows: list, vocab: int) -> EarlyMask:
         """prepare() on the helper thread, while the step loop goes on (handles the last
-        step's output, schedules and prepares the next step); the Future's result() is the
-        GrammarMask. The caller must not touch these rows' matchers or the bitmask buffer until
-        then: worker/deferred_sampling.py starts it once the rows' tokens have landed and takes
-        the result before the next prepare(). The switch interval is short while it runs and
-        put back as it ends (even when no one takes the result)."""
+        step's output, schedules and prepares the next step). The caller must not touch these
+        rows' matchers or the bitmask buffer until result(): worker/deferred_sampling.py
+        starts it once the rows' tokens have landed and takes the result before the next
+        prepare()."""
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, _HELPER_SWITCH_INTERVAL_S))
         try:
-            future = self._helper.submit(self.prepare, rows, vocab)
+            return EarlyMask(self._helper.submit(self.prepare, rows, vocab), interval)
         except BaseException:
             sys.setswitchinterval(interval)
             raise
-        future.add_done_callback(lambda _: sys.setswitchinterval(interval))
-        return future
 
     def close(self) -> None:
         if self._helper is not None:
