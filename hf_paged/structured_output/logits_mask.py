@@ -22,8 +22,6 @@ recorded logits/logprobs of a constrained row are of that masked distribution.
 from __future__ import annotations
 
 import os
-import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -75,58 +73,14 @@ def fill_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
-# The GIL switch interval while a bitmask is prepared on the helper thread: the helper needs
-# the GIL only between xgrammar's calls (which release it), and at Python's default 5 ms each
-# of those hand-overs could wait for the step loop's whole interval.
-_HELPER_SWITCH_INTERVAL_S = 2e-4
-
-
-class EarlyMask:
-    """A bitmask being prepared on the helper thread; result() waits for it and puts the
-    switch interval back."""
-
-    def __init__(self, future: Future, interval: float) -> None:
-        self._future, self._interval = future, interval
-
-    def result(self) -> GrammarMask:
-        try:
-            return self._future.result()
-        finally:
-            if self._interval is not None:
-                sys.setswitchinterval(self._interval)
-                self._interval = None
-
-
 class GrammarBitmask:
-    """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand), the
-    batch matcher and the helper thread that prepares a deferred step's bitmask early."""
+    """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand) and the
+    batch matcher."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host: torch.Tensor | None = None
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
-        self._helper: ThreadPoolExecutor | None = None
-
-    def prepare_early(self, rows: list, vocab: int) -> EarlyMask:
-        """prepare() on the helper thread, while the step loop goes on (handles the last
-        step's output, schedules and prepares the next step). The caller must not touch these
-        rows' matchers or the bitmask buffer until result(): worker/deferred_sampling.py
-        starts it once the rows' tokens have landed and takes the result before the next
-        prepare()."""
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, _HELPER_SWITCH_INTERVAL_S))
-        try:
-            return EarlyMask(self._helper.submit(self.prepare, rows, vocab), interval)
-        except BaseException:
-            sys.setswitchinterval(interval)
-            raise
-
-    def close(self) -> None:
-        if self._helper is not None:
-            self._helper.shutdown(wait=True)
-            self._helper = None
 
     def prepare(self, rows: list, vocab: int) -> GrammarMask:
         """Catch the rows' matchers up with their histories and fill their bitmask."""
