@@ -88,33 +88,6 @@ def test_deferred_sampling_gives_the_synchronous_tokens(model, tok, monkeypatch)
     assert released_while_deferred
 
 
-def test_bitmask_prepared_on_the_helper_thread_while_the_step_loop_goes_on(model, tok, monkeypatch):
-    """Once a step's tokens land, the next (deferred) step's matchers take them and fill its
-    bitmask on the grammar's helper thread; the step loop takes the mask just before the
-    sampling. Same tokens as the synchronous engine; the switch interval is put back."""
-    import sys
-    import threading
-
-    threads = []
-    real_prepare = GrammarBitmask.prepare
-
-    def prepare(self, *args):
-        threads.append(threading.current_thread().name)
-        return real_prepare(self, *args)
-
-    monkeypatch.setattr(GrammarBitmask, "prepare", prepare)
-    interval = sys.getswitchinterval()
-    sync = run(model, tok, async_scheduling=False)
-    assert threads and not any(t.startswith("hf-paged-grammar") for t in threads)
-    threads.clear()
-    assert run(model, tok, async_scheduling=True) == sync
-    early = [t for t in threads if t.startswith("hf-paged-grammar")]
-    # every decode step of a constrained batch but the first (nothing landed before it) and
-    # the forked / first-token steps prepares early
-    assert len(early) >= len(threads) // 2 and len(early) >= 10, threads
-    assert sys.getswitchinterval() == interval
-
-
 def test_preempted_rows_replay_under_the_overlap(model, tok):
     """Few blocks: rows are rebuilt after preemption while the helper works; the rebuilt
     row's matcher replays its history, and the tokens equal the synchronous engine's."""
@@ -159,21 +132,3 @@ def test_shutdown_with_a_deferred_sampling(model, tok):
     assert pending is not None and pending.deferred is not None  # queued by the next step
     eng.shutdown()  # queues it: nothing waits forever on it
     assert pending.deferred is None and pending.host is not None
-
-
-def test_overlapping_helpers_put_the_switch_interval_back():
-    # two engines' helpers in one process, ending in either order: the interval they found
-    # comes back once both have ended, never the shortened one
-    import sys
-
-    from hf_paged.structured_output import logits_mask as lm
-
-    found = sys.getswitchinterval()
-    lm._shorten_switch_interval()
-    lm._shorten_switch_interval()
-    short = pytest.approx(min(found, lm._HELPER_SWITCH_INTERVAL_S), rel=1e-6)
-    assert sys.getswitchinterval() == short
-    lm._restore_switch_interval()
-    assert sys.getswitchinterval() == short
-    lm._restore_switch_interval()
-    assert sys.getswitchinterval() == pytest.approx(found, rel=1e-6)

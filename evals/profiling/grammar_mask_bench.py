@@ -11,9 +11,8 @@ against xgrammar's one batched call), fill the rows' bitmask (BatchGrammarMatche
 (apply_token_bitmask_inplace). The next tokens are the argmax of random logits under the mask, so
 the matchers walk through varied valid JSON. Also measured: the batched calls on another thread
 while this one runs Python. xgrammar releases the GIL inside them, but each hand-over of the GIL
-back to the other thread waits for the running one's switch interval (5 ms by default), which is
-why the engine's grammar helper thread runs under a 0.2 ms interval
-(structured_output/logits_mask.py, GrammarBitmask.prepare_early).
+back to the other thread waits for the running one's switch interval (5 ms), which is why the
+engine prepares the bitmask on the step loop's thread (ModelRunner._defer_sampling).
 """
 
 from __future__ import annotations

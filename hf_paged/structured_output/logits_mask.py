@@ -22,9 +22,6 @@ recorded logits/logprobs of a constrained row are of that masked distribution.
 from __future__ import annotations
 
 import os
-import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -76,63 +73,14 @@ def fill_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
-# The GIL switch interval while a bitmask is prepared on the helper thread: the helper needs
-# the GIL only between xgrammar's calls (which release it), and at Python's default 5 ms each
-# of those hand-overs could wait for the step loop's whole interval.
-_HELPER_SWITCH_INTERVAL_S = 2e-4
-# helpers running now (engines of one process overlap) and the interval they found: the last to
-# end puts it back, whatever order they end in
-_short_interval = {"running": 0, "saved": 0.0}
-_interval_lock = threading.Lock()
-
-
-def _shorten_switch_interval() -> None:
-    with _interval_lock:
-        if _short_interval["running"] == 0:
-            _short_interval["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_short_interval["saved"], _HELPER_SWITCH_INTERVAL_S))
-        _short_interval["running"] += 1
-
-
-def _restore_switch_interval(_=None) -> None:
-    with _interval_lock:
-        _short_interval["running"] -= 1
-        if _short_interval["running"] == 0:
-            sys.setswitchinterval(_short_interval["saved"])
-
-
 class GrammarBitmask:
-    """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand), the
-    batch matcher and the helper thread that prepares a deferred step's bitmask early."""
+    """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand) and the
+    batch matcher."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host: torch.Tensor | None = None
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
-        self._helper: ThreadPoolExecutor | None = None
-
-    def prepare_early(self, rows: list, vocab: int) -> Future:
-        """prepare() on the helper thread, while the step loop goes on (handles the last
-        step's output, schedules and prepares the next step); the Future's result() is the
-        GrammarMask. The caller must not touch these rows' matchers or the bitmask buffer until
-        then: worker/deferred_sampling.py starts it once the rows' tokens have landed and takes
-        the result before the next prepare(). The switch interval is short while it runs and
-        put back as it ends (even when no one takes the result)."""
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
-        _shorten_switch_interval()
-        try:
-            future = self._helper.submit(self.prepare, rows, vocab)
-        except BaseException:
-            _restore_switch_interval()
-            raise
-        future.add_done_callback(_restore_switch_interval)
-        return future
-
-    def close(self) -> None:
-        if self._helper is not None:
-            self._helper.shutdown(wait=True)
-            self._helper = None
 
     def prepare(self, rows: list, vocab: int) -> GrammarMask:
         """Catch the rows' matchers up with their histories and fill their bitmask."""

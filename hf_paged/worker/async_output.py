@@ -35,9 +35,6 @@ class PendingOutput:
         # a step whose sampling waits for its grammar bitmask (structured output): the call
         # that queues it, run by launch() once the previous step's output is handled
         self.deferred = None
-        # its grammar work, started on the grammar's helper thread once the previous step's
-        # tokens landed (worker/deferred_sampling.py); launch() takes the result
-        self.early = None
         if host is not None and on_cuda:  # the copy (or the graph's write) is queued
             self.event = torch.cuda.Event()
             self.event.record()
@@ -47,12 +44,6 @@ class PendingOutput:
         deferred, self.deferred = self.deferred, None
         if deferred is not None:
             deferred()
-
-    def start_early(self) -> None:
-        """Start the deferred sampling's grammar work, if any, now (once)."""
-        early, self.early = self.early, None
-        if early is not None and self.deferred is not None:
-            early()
 
     def sampled(self, host: torch.Tensor, failed: dict | None) -> None:
         """The deferred sampling is queued: its tokens are on their way into host."""

@@ -17,25 +17,18 @@ def defer_sampling(
     """A step with grammar-constrained rows under asynchronous scheduling: its forward is
     queued now, its sampling later. The order, with the GPU beside it:
 
-      step loop                     grammar helper            GPU
-      launch forward n+1 (sampling                              sample n, forward n+1
-        deferred)
-      step n's tokens land          matchers accept n's         forward n+1
-      handle step n's output,         tokens, fill n+1's mask
-        schedule n+2, prepare
-        n+2's inputs
-      take the mask, queue it +                                 mask, sample n+1,
-        sample n+1, launch                                        forward n+2
-        forward n+2
+      host                                            GPU
+      launch forward n+1 (sampling deferred)          sample n, forward n+1
+      handle step n's output (its tokens land),       forward n+1
+        schedule n+2, prepare n+2's inputs,
+        matchers accept n's tokens, fill n+1's mask
+      queue mask + sample n+1, launch forward n+2     mask, sample n+1, forward n+2
 
-    The grammar's work needs step n's tokens, which land as forward n+1 starts. It runs on
-    the grammar's helper thread from then on (PendingOutput.start_early(), called by
-    finish_async once step n landed: xgrammar's accept and fill release the GIL), beside the
-    step loop's own work for n+2, and all of it overlaps forward n+1: the GPU goes from
-    sampling n+1 to forward n+2 without waiting for the host when the longer of the two
-    fits in a forward. PendingOutput.launch() takes the mask and queues the sampling: the
-    next execute() just before its forward, or finish_async / shutdown when no step follows
-    (without an early start it prepares the mask itself, on the step loop).
+    The grammar's work needs step n's tokens, which land as forward n+1 starts; done after
+    the step loop's own work for n+2, all of it overlaps forward n+1, and the GPU goes from
+    sampling n+1 to forward n+2 without waiting for the host (when the host's work fits in
+    a forward). PendingOutput.launch() runs it: the next execute() just before its forward,
+    or finish_async / shutdown when no step follows.
 
     Rows may be released (their requests ended) and reused before the sampling is queued:
     it holds its own SamplingRows, writes a released row's last_tokens entry before the
@@ -50,22 +43,10 @@ def defer_sampling(
         ib.epoch[row_ids], runner.device.type == "cuda",
     )  # fmt: skip
 
-    early = []
-
-    def start() -> None:
-        # the previous step's tokens are in the rows: the matchers can take them now, on the
-        # grammar's helper thread, while the step loop handles that output and prepares the
-        # next step; sample() takes the result
-        if previous is None or previous.landed:
-            early.append(runner.sampler.grammar.prepare_early(rows, rows_logits.shape[-1]))
-
     def sample() -> None:
-        if early:
-            mask = early.pop().result()
-        else:
-            if previous is not None:
-                runner._land(previous)  # (no-op when the step loop has handled its output)
-            mask = runner.sampler.grammar.prepare(rows, rows_logits.shape[-1])
+        if previous is not None:
+            runner._land(previous)  # (no-op when the step loop has handled its output)
+        mask = runner.sampler.grammar.prepare(rows, rows_logits.shape[-1])
         sampled = runner.sampler(rows_logits, rows, ib.penalty_counts, grammar=mask)
         rows_dev = rows_t if rows_t is not None else to_device(row_ids, runner.device)
         runner.last_tokens.index_copy_(0, rows_dev, sampled.tokens)
@@ -74,7 +55,6 @@ def defer_sampling(
         pending.sampled(host, sampled.failed)
 
     pending.deferred = sample
-    pending.early = start
     return pending
 
 

@@ -135,7 +135,6 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self._pending is not None:  # nothing may wait on a sampling never queued
             self._pending.launch()
-        self.sampler.grammar.close()
         if self.spec is not None:
             self.spec.shutdown()
             self.spec = None
@@ -255,8 +254,6 @@ class ModelRunner:
         if pending is self._pending:
             self._pending = None
         tokens = self._land(pending)
-        if self._pending is not None:  # a deferred step after it: its grammar can start now
-            self._pending.start_early()
         if tokens is None:
             return ModelRunnerOutput.from_rows(pending.num_seqs, [], [])
         return ModelRunnerOutput.from_rows(
