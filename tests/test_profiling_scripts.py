@@ -20,7 +20,9 @@ def _run(*args: str) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("script", ["engine_bench.py", "kernel_bench.py", "lora_bench.py"])
+@pytest.mark.parametrize(
+    "script", ["engine_bench.py", "kernel_bench.py", "lora_bench.py", "fp8_gemv_bench.py"]
+)
 def test_gpu_scripts_parse_their_flags(script):
     text = _run(str(PROFILING / script), "--help")
     assert text.startswith("usage:")
