@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .fp8_gemv import dequantize_weight
 from .kv_write import check_launchable, interpreting
 
 try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
@@ -71,8 +72,15 @@ def fused_gemv_ref(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What the kernel computes, as the transformers modules it replaces compute it."""
+    """What the kernel computes, as the transformers modules it replaces compute it (FP8
+    weights with their block scales: as Fp8Linear's weight-only product)."""
+    if weight_scale is not None:
+        weight = dequantize_weight(weight, weight_scale).to(x.dtype)
+    if up_scale is not None:
+        up_weight = dequantize_weight(up_weight, up_scale).to(x.dtype)
     if rows is not None:
         x = x[rows]
     if norm_weight is not None:
@@ -98,6 +106,24 @@ def load_weights(ptrs, mask):
 
 
 @triton.jit
+def apply_block_scales(
+    w, s_ptr, offs_n, n_mask, stride_sn, stride_sk, K: tl.constexpr, K_PAD: tl.constexpr
+):  # fmt: skip
+    # FP8 weights (hf_paged/quantization/fp8_weights.py): w [ROWS, K_PAD] as float32 times its
+    # rows' scales, one per 128-column block. The tile is split into its blocks and each
+    # block's scale broadcast over it, so a program loads ROWS x K / 128 scales, not one per
+    # weight.
+    BLOCK: tl.constexpr = 128 if K_PAD >= 128 else K_PAD
+    NUM_BLOCKS: tl.constexpr = K_PAD // BLOCK
+    offs_b = tl.arange(0, NUM_BLOCKS)
+    s_mask = n_mask[:, None] & (offs_b < (K + 127) // 128)[None, :]
+    s_offs = offs_n.to(tl.int64)[:, None] * stride_sn + offs_b[None, :] * stride_sk
+    s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
+    w3 = tl.reshape(w, [w.shape[0], NUM_BLOCKS, BLOCK]) * s[:, :, None]
+    return tl.reshape(w3, [w.shape[0], K_PAD])
+
+
+@triton.jit
 def _weight_tile(
     w_ptr, stride_wn, offs_n, offs_k, mask, K: tl.constexpr, ROWS_I32: tl.constexpr
 ):  # fmt: skip
@@ -120,6 +146,8 @@ def _fused_gemv_kernel(
     nw_ptr,
     w_ptr,
     w2_ptr,
+    ws_ptr,  # float32 block scales of w (SCALED: FP8 weights)
+    w2s_ptr,  # and of w2
     b_ptr,
     r_ptr,
     y_ptr,
@@ -129,6 +157,10 @@ def _fused_gemv_kernel(
     stride_xm,
     stride_wn,
     stride_w2n,
+    stride_wsn,
+    stride_wsk,
+    stride_w2sn,
+    stride_w2sk,
     stride_rm,
     stride_ym,
     K: tl.constexpr,
@@ -142,6 +174,7 @@ def _fused_gemv_kernel(
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
     ROWS_I32: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
@@ -158,6 +191,10 @@ def _fused_gemv_kernel(
     w = _weight_tile(w_ptr, stride_wn, offs_n, offs_k, tile_mask, K, ROWS_I32)
     if GATED:
         w2 = _weight_tile(w2_ptr, stride_w2n, offs_n, offs_k, tile_mask, K, ROWS_I32)
+    if SCALED:
+        w = apply_block_scales(w, ws_ptr, offs_n, n_mask, stride_wsn, stride_wsk, K, K_PAD)
+        if GATED:
+            w2 = apply_block_scales(w2, w2s_ptr, offs_n, n_mask, stride_w2sn, stride_w2sk, K, K_PAD)
     if NORM:
         g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -291,24 +328,38 @@ def fused_gemv(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None,
     pdl: bool = False,
     config: dict | None = None,
 ) -> torch.Tensor:
     """fused_gemv_ref(...) by one Triton launch, for at most MAX_ROWS output rows (rows picks
-    them from x, else all of x's rows)."""
+    them from x, else all of x's rows). FP8 weights (float8_e4m3fn) come with their float32
+    block scales [N, ceil(K / 128)] (weight_scale, and up_scale with up_weight), any strides."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)}: in_features differ")
     dtype = x.dtype
-    if dtype not in _FLOAT_DTYPES or weight.dtype != dtype:
+    scaled = weight.dtype == torch.float8_e4m3fn
+    w_dtype = weight.dtype if scaled else dtype
+    if dtype not in _FLOAT_DTYPES or weight.dtype != w_dtype:
         raise ValueError(f"x ({dtype}) and weight ({weight.dtype}) must be one float dtype")
     n, k = weight.shape
+    if scaled != (weight_scale is not None) or (up_weight is not None and scaled) != (
+        up_scale is not None
+    ):
+        raise ValueError("weight_scale / up_scale go with float8_e4m3fn weights, and only them")
+    for name, sc in (("weight_scale", weight_scale), ("up_scale", up_scale)):
+        if sc is not None and (tuple(sc.shape) != (n, -(-k // 128)) or sc.dtype != torch.float32):
+            raise ValueError(
+                f"{name} must be float32 [{n}, {-(-k // 128)}], got {sc.dtype} {list(sc.shape)}"
+            )
     if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
         raise ValueError(f"rows must be a 1-d int64 tensor, got {rows.dtype} {list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"fused_gemv takes at most {MAX_ROWS} rows, got {m}")
-    _check("weight", weight, (n, k), dtype)
-    _check("up_weight", up_weight, (n, k), dtype)
+    _check("weight", weight, (n, k), w_dtype)
+    _check("up_weight", up_weight, (n, k), w_dtype)
     _check("norm_weight", norm_weight, (k,), dtype)
     _check("bias", bias, (n,), dtype)
     _check("residual", residual, (m, n), dtype)
@@ -320,7 +371,8 @@ def fused_gemv(
         return y
     gated = up_weight is not None
     nbytes = n * k * weight.element_size() * (2 if gated else 1)
-    cfg = dict(config) if config is not None else tile_config(k, gated, nbytes, dtype.itemsize)
+    itemsize = weight.element_size()
+    cfg = dict(config) if config is not None else tile_config(k, gated, nbytes, itemsize)
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     if interpreting() and config is None:
@@ -336,6 +388,8 @@ def fused_gemv(
         norm_weight if norm_weight is not None else weight,
         weight,
         up_weight if up_weight is not None else weight,
+        weight_scale if scaled else y,
+        up_scale if up_scale is not None else y,
         bias if bias is not None else weight,
         residual if residual is not None else y,
         y,
@@ -345,6 +399,8 @@ def fused_gemv(
         x.stride(0),
         weight.stride(0),
         (up_weight if up_weight is not None else weight).stride(0),
+        *(weight_scale.stride() if scaled else (0, 0)),
+        *(up_scale.stride() if up_scale is not None else (0, 0)),
         (residual if residual is not None else y).stride(0),
         y.stride(0),
         K=k,
@@ -358,6 +414,7 @@ def fused_gemv(
         GATHER=rows is not None,
         PDL=pdl,
         ROWS_I32=_rows_i32(weight) and (up_weight is None or _rows_i32(up_weight)),
+        SCALED=scaled,
         **cfg,
     )
     return y

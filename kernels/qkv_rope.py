@@ -22,6 +22,7 @@ from .fused_gemv import (
     _MAX_WARPS,
     MAX_ROWS,
     _row_mask,
+    apply_block_scales,
     fused_gemv_ref,
     gdc_launch_dependents,
     gdc_wait,
@@ -33,10 +34,12 @@ from .rope_kv import rope_write_kv_ref, rotate_halves
 
 def norm_qkv_rope_ref(
     x, weight, bias, norm_weight, eps, positions, cos_table, sin_table,
-    key_cache, value_cache, slot_mapping, num_q_heads,
+    key_cache, value_cache, slot_mapping, num_q_heads, weight_scale=None,
 ):  # fmt: skip
     """fused_gemv_ref (NORM) then rope_write_kv_ref, cos/sin gathered from the half tables."""
-    qkv = fused_gemv_ref(x, weight, norm_weight=norm_weight, eps=eps, bias=bias)
+    qkv = fused_gemv_ref(
+        x, weight, norm_weight=norm_weight, eps=eps, bias=bias, weight_scale=weight_scale
+    )
     cos = cos_table[positions].repeat(1, 2)
     sin = sin_table[positions].repeat(1, 2)
     return rope_write_kv_ref(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads)
@@ -47,6 +50,7 @@ def _norm_qkv_rope_kernel(
     x_ptr,  # [M, K] residual stream
     nw_ptr,  # [K] RMSNorm weight
     w_ptr,  # [(Hq + 2 Hkv) * D, K]
+    ws_ptr,  # float32 block scales of w (SCALED: FP8 weights)
     b_ptr,  # [(Hq + 2 Hkv) * D] (HAS_BIAS)
     pos_ptr,  # int64 [M]
     cos_ptr,  # [max_positions, HALF]
@@ -59,6 +63,8 @@ def _norm_qkv_rope_kernel(
     eps,
     stride_xm,
     stride_wn,
+    stride_wsn,
+    stride_wsk,
     stride_cos,
     stride_kc_b,
     stride_kc_s,
@@ -76,6 +82,7 @@ def _norm_qkv_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -93,6 +100,10 @@ def _norm_qkv_rope_kernel(
     w2 = load_weights(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K)
     w1 = w1.to(tl.float32)
     w2 = w2.to(tl.float32)
+    if SCALED:
+        every = rows1 >= 0
+        w1 = apply_block_scales(w1, ws_ptr, rows1, every, stride_wsn, stride_wsk, K, K_PAD)
+        w2 = apply_block_scales(w2, ws_ptr, rows2, every, stride_wsn, stride_wsk, K, K_PAD)
     g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b1 = tl.load(b_ptr + rows1).to(tl.float32)
@@ -184,6 +195,7 @@ def norm_qkv_rope(
     slot_mapping: torch.Tensor,  # int64 [T]
     num_q_heads: int,
     *,
+    weight_scale: torch.Tensor | None = None,  # FP8 weight: float32 [N, ceil(K / 128)]
     pdl: bool = False,
 ) -> torch.Tensor:  # rotated queries [T, Hq, D]
     """norm_qkv_rope_ref by one Triton launch, for at most MAX_ROWS tokens."""
@@ -194,8 +206,16 @@ def norm_qkv_rope(
     n = (num_q_heads + 2 * num_kv_heads) * head_dim
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"key_cache {key_cache.dtype} and value_cache {value_cache.dtype} differ")
-    if weight.shape != (n, k) or weight.stride(1) != 1 or weight.dtype != x.dtype:
+    scaled = weight.dtype == torch.float8_e4m3fn
+    w_dtype = weight.dtype if scaled else x.dtype
+    if weight.shape != (n, k) or weight.stride(1) != 1 or weight.dtype != w_dtype:
         raise ValueError(f"weight must be [{n}, {k}] of {x.dtype}, got {list(weight.shape)}")
+    if scaled != (weight_scale is not None):
+        raise ValueError("weight_scale goes with a float8_e4m3fn weight, and only with one")
+    if scaled and (
+        tuple(weight_scale.shape) != (n, -(-k // 128)) or weight_scale.dtype != torch.float32
+    ):
+        raise ValueError(f"weight_scale must be float32 [{n}, {-(-k // 128)}]")
     if t > MAX_ROWS:
         raise ValueError(f"norm_qkv_rope takes at most {MAX_ROWS} tokens, got {t}")
     if head_dim & (head_dim - 1) or head_dim < 2:
@@ -222,6 +242,7 @@ def norm_qkv_rope(
         x,
         norm_weight,
         weight,
+        weight_scale if scaled else q,
         bias if bias is not None else weight,
         positions,
         cos_table,
@@ -234,6 +255,7 @@ def norm_qkv_rope(
         float(eps),
         x.stride(0),
         weight.stride(0),
+        *(weight_scale.stride() if scaled else (0, 0)),
         cos_table.stride(0),
         key_cache.stride(0),
         key_cache.stride(1),
@@ -251,6 +273,7 @@ def norm_qkv_rope(
         PAGE_SIZE=key_cache.shape[1],
         HAS_BIAS=bias is not None,
         PDL=pdl,
+        SCALED=scaled,
         **cfg,
     )
     return q

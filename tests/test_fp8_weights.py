@@ -304,3 +304,65 @@ def test_fp8_engine_compiles_llama_3_8b_layers_gpu():
     assert all(len(o) == 12 for o in outs[True])
     same = sum(a == b for x, y in zip(outs[True], outs[False]) for a, b in zip(x, y))
     assert same >= 30, outs  # bf16: a near-tie may round apart late in a sequence
+
+
+def test_small_batch_forward_runs_fp8_weights(tiny_model):
+    # steps of a few tokens take the fused small-batch forward on FP8 layers too (its GEMVs
+    # dequantise each 128-column block in registers): the same greedy tokens and log-probs as
+    # transformers' forward over the same FP8 layers (Triton interpreter on the CPU)
+    model = tiny_model("llama")
+    other = copy.deepcopy(model)  # an engine fuses q/k/v and gate/up before quantising them
+    opts = dict(quantization="fp8", attention_backend="triton", async_scheduling=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 30, 9)]
+    params = hf_paged.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    plain = hf_paged.Engine(model, small_batch_rows=0, **opts)
+    want = plain.generate(prompts, params)
+    plain.shutdown()
+    eng = hf_paged.Engine(other, small_batch_rows=8, **opts)
+    fast = eng.runner.forward.small_batch
+    assert fast is not None, eng.runner.forward.small_batch_status
+    seen = []
+    real = fast.__call__
+    eng.runner.forward.small_batch = type(
+        "Counting",
+        (),
+        {"max_rows": fast.max_rows, "__call__": lambda s, *a: seen.append(1) or real(*a)},
+    )()
+    try:
+        got = eng.generate(prompts, params)
+        eng.check_invariants()
+    finally:
+        eng.shutdown()
+    assert seen  # the 3-row decodes ran fused
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    for a, b in zip(got, want):
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            assert all(da[t] == pytest.approx(db[t], abs=1e-4) for t in da)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(
+    "n,k,gated", [(6144, 4096, False), (14336, 4096, True), (4096, 14336, False)]
+)
+def test_fused_gemv_fp8_real_shapes_gpu(rows, n, k, gated):
+    # the small-batch forward's GEMVs on Llama-3-8B's FP8 q/k/v, gate/up and down matrices
+    # (bf16 activations) against the dequantised product; blocks of different magnitude
+    from hf_paged.kernels import fused_gemv, fused_gemv_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = torch.rand(k // 128, device="cuda", generator=gen) * 4 + 0.25
+    w = torch.randn(2 * n if gated else n, k, device="cuda", generator=gen) * 0.02
+    w8, scale = quantize_weight(w * blocks.repeat_interleave(128))
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    kw = dict(weight_scale=scale[:n])
+    if gated:
+        kw.update(up_weight=w8[n:], up_scale=scale[n:])
+    for pdl in (False, True):
+        got = fused_gemv(x, w8[:n], pdl=pdl, **kw).float()
+        ref = fused_gemv_ref(x.float(), w8[:n], **kw)
+        rel = (got - ref).norm() / ref.norm()
+        assert rel < 1e-2, (pdl, rel)  # bf16 output (and, gated, the activation's) rounding

@@ -57,6 +57,49 @@ def test_fused_gemv_matches_reference(rows, dtype, option):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("k", [96, 300])  # one scale block (K < 128); three, the last partial
+@pytest.mark.parametrize("option", ["plain", "norm_gated", "bias_residual"])
+def test_fused_gemv_fp8_weights_match_the_dequantised_reference(rows, k, option):
+    # FP8 weights with 1x128 block scales (Fp8Linear's layout, N-major scales): the kernel
+    # dequantises its tile in registers; blocks of different magnitude, so a wrong block's
+    # scale shows; gate and up as row slices of one fused matrix, as the small-batch forward
+    # passes them
+    from hf_paged.quantization.fp8_weights import quantize_weight
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.rand(-(-k // 128), generator=g) * 4 + 0.25
+    w = torch.randn(2 * N, k, generator=g) * 0.1 * blocks.repeat_interleave(128)[:k]
+    w8, scale = quantize_weight(w)
+    x = torch.randn(rows, k, generator=g)
+    kw = dict(weight_scale=scale[:N])
+    if option == "norm_gated":
+        kw.update(norm_weight=torch.rand(k, generator=g) + 0.5, eps=1e-5)
+        kw.update(up_weight=w8[N:], up_scale=scale[N:])
+    elif option == "bias_residual":
+        kw.update(bias=torch.randn(N, generator=g), residual=torch.randn(rows, N, generator=g))
+    got = fused_gemv(x, w8[:N], **kw)
+    want = fused_gemv_ref(x, w8[:N], **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if option == "plain":  # the product Fp8Linear computes
+        from hf_paged.kernels.fp8_gemv import fp8_gemv_ref
+
+        torch.testing.assert_close(got, fp8_gemv_ref(x, w8[:N], scale[:N]), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_gemv_fp8_refuses_missing_or_stray_scales():
+    from hf_paged.quantization.fp8_weights import quantize_weight
+
+    w8, scale = quantize_weight(torch.randn(N, K))
+    x = torch.randn(1, K)
+    with pytest.raises(ValueError, match="weight_scale"):
+        fused_gemv(x, w8)
+    with pytest.raises(ValueError, match="weight_scale"):
+        fused_gemv(x, w8.float(), weight_scale=scale)
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        fused_gemv(x, w8, weight_scale=scale[:, :0])
+
+
 @pytest.mark.parametrize(
     "config",  # the GPU's narrow tiles: many programs, a partial last one (N=40 by 8)
     [dict(BLOCK_N=4, num_warps=4), dict(BLOCK_N=8, num_warps=4)],
@@ -189,6 +232,37 @@ def test_norm_qkv_rope_matches_reference(dtype, rows, bias, strided):
     torch.testing.assert_close(caches[1], caches[3], **tol)  # values
     written = caches[1].flatten(0, 1).abs().sum(dim=(1, 2)) > 0
     assert written.nonzero().flatten().tolist() == [5, 9][: 1 if rows == 1 else 2]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_norm_qkv_rope_fp8_weight_matches_the_dequantised_reference(rows):
+    # Fp8Linear's fused q/k/v matrix: FP8 rows and their 1x128 block scales, K over 2 blocks
+    from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
+
+    from hf_paged.quantization.fp8_weights import quantize_weight
+
+    g = torch.Generator().manual_seed(rows)
+    hq, hkv, d, k = 4, 2, 16, 200
+    n = (hq + 2 * hkv) * d
+    x = torch.randn(rows, k, generator=g)
+    w8, scale = quantize_weight(torch.randn(n, k, generator=g) * torch.linspace(0.05, 0.4, k))
+    nw = torch.rand(k, generator=g) + 0.5
+    angles = torch.randn(50, d // 2, generator=g)
+    args = (torch.randint(0, 50, (rows,), generator=g), angles.cos(), angles.sin())
+    slots = torch.tensor([5, 9])[:rows]
+    caches = [torch.zeros(4, 4, hkv, d) for _ in range(4)]
+    q = norm_qkv_rope(
+        x, w8, None, nw, 1e-5, *args, caches[0], caches[1], slots, hq, weight_scale=scale
+    )
+    q_ref = norm_qkv_rope_ref(
+        x, w8, None, nw, 1e-5, *args, caches[2], caches[3], slots, hq, weight_scale=scale
+    )
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    torch.testing.assert_close(caches[1], caches[3], **tol)
+    with pytest.raises(ValueError, match="weight_scale"):
+        norm_qkv_rope(x, w8, None, nw, 1e-5, *args, caches[0], caches[1], slots, hq)
 
 
 def test_norm_qkv_rope_refuses_bad_inputs():

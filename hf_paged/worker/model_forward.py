@@ -48,8 +48,6 @@ class ModelForward:
             reason = f"attention backend {backend_name!r}, not 'triton'"
         elif config.kv_cache_dtype.startswith("fp8"):  # its fused RoPE + KV write is not FP8
             reason = f"kv_cache_dtype {config.kv_cache_dtype!r}"
-        elif config.quantization is not None:  # its GEMVs read bf16/fp16 weights
-            reason = f"quantization={config.quantization!r}"
         else:
             reason = unsupported_reason(model)
         if reason is not None:

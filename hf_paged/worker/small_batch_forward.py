@@ -17,6 +17,10 @@ kernels/rope_kv.py, the paged attention kernels):
     act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
     h    = h + act @ Wd.T                       fused_gemv  RESIDUAL
 
+FP8 weights (quantization="fp8": Fp8Linear and fused projections holding float8_e4m3fn rows with
+1x128 block scales) go through the same kernels: each dequantises its weight tile in registers
+(half the bytes streamed), computing Fp8Linear's weight-only product.
+
 A PeftModel's LoRA layers wrap the fused slices and o/down: their per-token deltas (the step's
 adapter slots, hf_paged.lora) are added to the slices they wrap, so a layer with LoRA on q/k/v
 takes the unfused RoPE + KV write after the delta, and one with LoRA on gate/up the ungated
@@ -102,7 +106,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         if parts[3].fused.bias is not None:
             return "gate/up projections with bias"
         for lin in (lora_base(attn.o_proj), lora_base(mlp.down_proj)):
-            if type(lin) is not nn.Linear:
+            if type(lin) is not nn.Linear and type(lin).__name__ != "Fp8Linear":
                 return f"{type(lin).__name__} o_proj/down_proj (quantised)"
     return None
 
@@ -226,6 +230,7 @@ class SmallBatchForward:
                     value_cache,
                     meta.slot_mapping,
                     self.num_q_heads,
+                    weight_scale=_scales(layer.qkv),
                     pdl=pdl,
                 )
             else:
@@ -235,6 +240,7 @@ class SmallBatchForward:
                     norm_weight=norm.weight,
                     eps=norm.variance_epsilon,
                     bias=layer.qkv.bias,
+                    weight_scale=_scales(layer.qkv),
                     pdl=pdl,
                 )
                 if qkv_lora:  # the deltas before RoPE and the KV write
@@ -261,10 +267,13 @@ class SmallBatchForward:
                     q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
                 )
             o, attn = layer.o, attn.view(t, -1)
-            h = k.fused_gemv(attn, o.weight, bias=o.bias, residual=h, pdl=pdl)
+            h = k.fused_gemv(
+                attn, o.weight, bias=o.bias, residual=h, weight_scale=_scales(o), pdl=pdl
+            )
             if lora is not None:
                 _add_deltas(h, attn, [lora["o_proj"]])
             norm, gate_up, rows = layer.post_norm, layer.gate_up.weight, layer.gate_rows
+            gu_scale = _scales(layer.gate_up)
             if lora is None or not (lora["gate_proj"] or lora["up_proj"]):
                 act = k.fused_gemv(
                     h,
@@ -272,15 +281,30 @@ class SmallBatchForward:
                     up_weight=gate_up[rows:],
                     norm_weight=norm.weight,
                     eps=norm.variance_epsilon,
+                    weight_scale=None if gu_scale is None else gu_scale[:rows],
+                    up_scale=None if gu_scale is None else gu_scale[rows:],
                     pdl=pdl,
                 )
             else:  # the deltas before the activation: the ungated GEMV, then act(gate) * up
-                gu = k.fused_gemv(h, gate_up, norm_weight=norm.weight, eps=norm.variance_epsilon)
+                gu = k.fused_gemv(
+                    h, gate_up, norm_weight=norm.weight, eps=norm.variance_epsilon,
+                    weight_scale=gu_scale,
+                )  # fmt: skip
                 wrappers = [lora["gate_proj"], lora["up_proj"]]
                 _add_deltas(gu, norm(h), wrappers, layer.gate_up.sizes)
                 act = layer.mlp.act_fn(gu[:, :rows]) * gu[:, rows:]
             down = layer.down
-            h_in, h = act, k.fused_gemv(act, down.weight, bias=down.bias, residual=h, pdl=pdl)
+            h_in, h = (
+                act,
+                k.fused_gemv(
+                    act,
+                    down.weight,
+                    bias=down.bias,
+                    residual=h,
+                    weight_scale=_scales(down),
+                    pdl=pdl,
+                ),
+            )
             if lora is not None:
                 _add_deltas(h, h_in, [lora["down_proj"]])
         norm = self.base.norm
@@ -292,6 +316,12 @@ class SmallBatchForward:
             rows=keep,
             pdl=pdl,
         )
+
+
+def _scales(module: nn.Module) -> torch.Tensor | None:
+    """An FP8 layer's block scales (quantization="fp8": Fp8Linear or a fused projection's
+    buffer); None for a float weight."""
+    return module._buffers.get("weight_scale")
 
 
 def _lora_wrappers(layer: _Layer) -> dict | None:
