@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="paged engine: FP8 weights (docs/quantization.md)",
     )
     thr.add_argument(
+        "--bnb",
+        default=None,
+        help="quantise the model with bitsandbytes as transformers loads it (every backend "
+        "runs that model): nf4 | nf4-double | fp4 | int8",
+    )
+    thr.add_argument(
         "--kv-cache-dtype",
         default=None,
         help="paged engine: auto | fp8_e4m3 | fp8_e5m2 | float16 | bfloat16 | float32",
@@ -332,7 +338,7 @@ def cmd_throughput(args) -> int:
     names = _csv(args.dataset, "synthetic")
     for name in names:
         check_workload_name(name)  # bad input fails before minutes of model loading
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, bnb=args.bnb)
     device = next(loaded.model.parameters()).device
     limit, max_new = args.limit, args.max_new_tokens
     if device.type == "cpu" and not args.full and limit is None and max_new is None:

@@ -198,7 +198,54 @@ def _from_pretrained(src: str | Path, dtype: torch.dtype, device: torch.device):
     return model, tokenizer
 
 
-def load_model(spec: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+# --bnb: bitsandbytes configurations, as a user passes them to from_pretrained
+BNB_CONFIGS = {
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "nf4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+    ),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def load_model(
+    spec: str, dtype: str = "auto", device: str = "auto", bnb: str | None = None
+) -> LoadedModel:
+    """The model of `spec` in `dtype` on `device`; with `bnb` (a BNB_CONFIGS key), quantised by
+    bitsandbytes as transformers loads it (saved, then from_pretrained with the config)."""
+    if bnb is not None and bnb not in BNB_CONFIGS:  # before minutes of model building
+        raise EvalError(f"unknown --bnb {bnb!r}: use {', '.join(BNB_CONFIGS)}")
+    loaded = _load_model(spec, dtype, device)
+    if bnb is None:
+        return loaded
+    dev = next(loaded.model.parameters()).device
+    model = _bnb_reload(loaded.model, bnb, resolve_dtype(dtype, dev), dev)
+    return LoadedModel(f"{loaded.name}-bnb-{bnb}", model, loaded.tokenizer, loaded.real_weights)
+
+
+def _bnb_reload(model, kind: str, dtype: torch.dtype, dev: torch.device) -> torch.nn.Module:
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    folder = tempfile.mkdtemp(prefix="hf_paged_bnb_")
+    try:
+        model.save_pretrained(folder)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        config = BitsAndBytesConfig(**BNB_CONFIGS[kind], bnb_4bit_compute_dtype=dtype)
+        place = {"": dev.index or 0} if dev.type == "cuda" else "cpu"
+        return AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=config, device_map=place, dtype=dtype
+        ).eval()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_model(spec: str, dtype: str, device: str) -> LoadedModel:
     dev = resolve_device(device)
     if spec == "auto":
         spec = "tinyllama-1.1b" if dev.type == "cuda" else "smollm2"

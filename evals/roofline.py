@@ -58,10 +58,20 @@ def model_costs(model: torch.nn.Module) -> ModelCosts:
     seen: set[int] = set()  # a tied lm_head is the embedding's Parameter object: count it once
     params = nbytes = 0
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
-            seen.add(id(mod.weight))
-            params += mod.weight.numel()
-            nbytes += mod.weight.numel() * mod.weight.element_size()
+        # nn.Linear and what stands in its place (the engine's fused q/k/v and gate/up slices,
+        # FP8 weights, bitsandbytes' packed 4-bit / 8-bit): parameters by the layer's shape,
+        # bytes as stored (with their scales)
+        weight = getattr(mod, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not hasattr(mod, "in_features"):
+            continue
+        if isinstance(mod, torch.nn.Embedding) or id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        params += mod.in_features * mod.out_features
+        nbytes += weight.numel() * weight.element_size()
+        scale = getattr(mod, "weight_scale", None)
+        if isinstance(scale, torch.Tensor):
+            nbytes += scale.numel() * scale.element_size()
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elem = next(model.parameters()).element_size()

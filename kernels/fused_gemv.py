@@ -151,6 +151,7 @@ def _fused_gemv_kernel(
     b_ptr,
     r_ptr,
     y_ptr,
+    no_ptr,  # [M, K] the normalised rows (NORM_OUT)
     M,
     N,
     eps,
@@ -163,6 +164,7 @@ def _fused_gemv_kernel(
     stride_w2sk,
     stride_rm,
     stride_ym,
+    stride_nom,
     K: tl.constexpr,
     K_PAD: tl.constexpr,  # next power of 2
     BLOCK_M: tl.constexpr,
@@ -175,6 +177,7 @@ def _fused_gemv_kernel(
     PDL: tl.constexpr,
     ROWS_I32: tl.constexpr,
     SCALED: tl.constexpr,
+    NORM_OUT: tl.constexpr,
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
@@ -217,6 +220,9 @@ def _fused_gemv_kernel(
             if NORM:
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
                 x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                if NORM_OUT:  # every program normalised the row: the first one writes it
+                    if pid == 0:
+                        tl.store(no_ptr + m * stride_nom + offs_k, x.to(dt), mask=k_mask)
             y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
             if HAS_BIAS:
                 y += bias
@@ -330,12 +336,15 @@ def fused_gemv(
     rows: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
+    norm_out: torch.Tensor | None = None,
     pdl: bool = False,
     config: dict | None = None,
 ) -> torch.Tensor:
     """fused_gemv_ref(...) by one Triton launch, for at most MAX_ROWS output rows (rows picks
     them from x, else all of x's rows). FP8 weights (float8_e4m3fn) come with their float32
-    block scales [N, ceil(K / 128)] (weight_scale, and up_scale with up_weight), any strides."""
+    block scales [N, ceil(K / 128)] (weight_scale, and up_scale with up_weight), any strides.
+    norm_out [M, K] (with norm_weight, no rows): also receives RMSNorm(x), the input of the
+    product (a LoRA delta of the same projection reads it instead of normalising again)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)}: in_features differ")
     dtype = x.dtype
@@ -363,6 +372,9 @@ def fused_gemv(
     _check("norm_weight", norm_weight, (k,), dtype)
     _check("bias", bias, (n,), dtype)
     _check("residual", residual, (m, n), dtype)
+    _check("norm_out", norm_out, (m, k), dtype)
+    if norm_out is not None and (norm_weight is None or rows is not None):
+        raise ValueError("norm_out needs norm_weight (and no rows)")
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous in its last dimension, strides {x.stride()}")
     check_launchable(x, "x")
@@ -393,6 +405,7 @@ def fused_gemv(
         bias if bias is not None else weight,
         residual if residual is not None else y,
         y,
+        norm_out if norm_out is not None else y,
         m,
         n,
         float(eps),
@@ -403,6 +416,7 @@ def fused_gemv(
         *(up_scale.stride() if up_scale is not None else (0, 0)),
         (residual if residual is not None else y).stride(0),
         y.stride(0),
+        (norm_out if norm_out is not None else y).stride(0),
         K=k,
         K_PAD=triton.next_power_of_2(k),
         BLOCK_M=triton.next_power_of_2(m),
@@ -415,6 +429,7 @@ def fused_gemv(
         PDL=pdl,
         ROWS_I32=_rows_i32(weight) and (up_weight is None or _rows_i32(up_weight)),
         SCALED=scaled,
+        NORM_OUT=norm_out is not None,
         **cfg,
     )
     return y

@@ -179,3 +179,24 @@ def test_long_decode_workload():
     assert {len(r.prompt_token_ids) for r in wl.requests} == {4096}
     assert {r.max_new_tokens for r in wl.requests} == {512}
     assert all(0 <= t < 1000 for r in wl.requests for t in r.prompt_token_ids)
+
+
+def test_bnb_option_runs_every_backend_on_the_bitsandbytes_model(
+    tiny_model, monkeypatch, tmp_path, capsys
+):
+    # --bnb nf4: the model saved and loaded again with BitsAndBytesConfig, as a user loads one;
+    # the engine and transformers' generate both run that quantised model (a tiny Llama here
+    # in place of a named shape)
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(
+        models,
+        "_load_model",
+        lambda *a: models.LoadedModel("tiny", tiny_model("llama"), None, False),
+    )
+    argv = ["throughput", "--device", "cpu", "--dtype", "float32", "--bnb", "nf4"]
+    argv += ["--backend", "paged,hf", "--limit", "2", "--max-new-tokens", "3", "--no-progress"]
+    assert run.main([*argv, "--no-plots", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-bnb-nf4" in out
+    assert len([line for line in out.splitlines() if line.startswith(("| paged", "| hf "))]) == 2
+    assert run.main(["throughput", "--bnb", "nf5", "--out", str(tmp_path)]) == 2

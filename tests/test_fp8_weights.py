@@ -57,6 +57,29 @@ def test_fp8_gemv_matches_reference(rows, dtype, bias):
     torch.testing.assert_close(got.float().cpu(), ref, atol=tol * 10, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantisation_kernel_matches_torch(dtype):
+    # kernels/fp8_quant.py: per row and 128 columns, float8_e4m3fn and M-major scales, padded
+    # rows zero. The interpreter's float8 cast truncates, and just below a power of 2 it lands
+    # a binade low (1.9989 -> 1.0, where a GPU rounds to 2.0): values may differ up to that
+    # here; the GPU test asks for equality
+    from hf_paged.kernels.fp8_quant import quantize_rows, quantize_rows_ref
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 384, generator=g) * torch.linspace(0.01, 30, 384)).to(dtype)
+    q, s = quantize_rows(x.to(DEVICE), 16)
+    q_ref, s_ref = quantize_rows_ref(x, 16)
+    assert q.shape == (16, 384) and q.dtype == torch.float8_e4m3fn
+    assert s.shape == (16, 3) and s.stride() == (1, 16)  # M-major, as cuBLASLt reads it
+    torch.testing.assert_close(s.cpu(), s_ref, atol=0, rtol=1e-6)
+    a, b = q.cpu().float(), q_ref.float()
+    assert ((a - b).abs() <= b.abs() / 2 + 2**-9).all()
+    assert (a == b).float().mean() > 0.8
+    assert (a[5:] == 0).all()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_rows(x[:, :100].contiguous())
+
+
 def test_fp8_gemv_refuses_bad_input():
     w8, scale = quantize_weight(torch.randn(8, 32))
     with pytest.raises(ValueError, match="rows"):
@@ -366,3 +389,18 @@ def test_fused_gemv_fp8_real_shapes_gpu(rows, n, k, gated):
         ref = fused_gemv_ref(x.float(), w8[:n], **kw)
         rel = (got - ref).norm() / ref.norm()
         assert rel < 1e-2, (pdl, rel)  # bf16 output (and, gated, the activation's) rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows,k", [(1, 4096), (17, 4096), (256, 4096), (300, 14336)])
+def test_activation_quantisation_kernel_real_shapes_gpu(rows, k):
+    from hf_paged.kernels.fp8_quant import quantize_rows, quantize_rows_ref
+
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16) * 3
+    p = rows + (-rows % 16)
+    q, s = quantize_rows(x, p)
+    q_ref, s_ref = quantize_rows_ref(x, p)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=1e-6)
+    same = (q.float() == q_ref.float()).float().mean().item()
+    assert same > 0.999, same  # round to nearest on both sides; a division's last bit aside

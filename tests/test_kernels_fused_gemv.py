@@ -87,6 +87,21 @@ def test_fused_gemv_fp8_weights_match_the_dequantised_reference(rows, k, option)
         torch.testing.assert_close(got, fp8_gemv_ref(x, w8[:N], scale[:N]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gemv_writes_the_normalised_rows(rows, dtype):
+    # norm_out: the RMSNorm'd input as transformers' RMSNorm gives it (a LoRA delta's input)
+    t = _inputs(dtype, rows)
+    x = t["x"][:rows]
+    out = torch.full((rows, K), float("nan"), dtype=dtype)
+    y = fused_gemv(x, t["w"], norm_weight=t["nw"], eps=1e-5, norm_out=out)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-1, rtol=2e-2)
+    torch.testing.assert_close(out, fg.rms_norm_ref(x, t["nw"], 1e-5), **tol)
+    torch.testing.assert_close(y, fused_gemv(x, t["w"], norm_weight=t["nw"], eps=1e-5))
+    with pytest.raises(ValueError, match="norm_out needs norm_weight"):
+        fused_gemv(x, t["w"], norm_out=out)
+
+
 def test_fused_gemv_fp8_refuses_missing_or_stray_scales():
     from hf_paged.quantization.fp8_weights import quantize_weight
 

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 from bench_setup import PEAK_BW, bench_graph, models
-
 from hf_paged.kernels.fp8_gemv import fp8_gemv
+
 from hf_paged.quantization.fp8_weights import quantize_weight
 
 
@@ -49,7 +49,6 @@ def main() -> None:
                 f"{bf16_ms / fp8_ms:.2f}x | {bound_us:.1f} |",
                 flush=True,
             )
-        del w, w8, scale
 
 
 if __name__ == "__main__":

@@ -116,7 +116,9 @@ def lora_add_(
 
         slots = batch.token_slots
         flat_y.copy_(lora_expand_ref(flat_y, lora_shrink_ref(flat_x, a, slots), b, scale, slots))
-    if flat_y.data_ptr() != y.data_ptr() or not y.is_contiguous():
+    # reshape copies only where y's rows cannot be viewed flat; a column slice of a fused
+    # projection's output (strided rows) is viewed as it is and written in place
+    if flat_y.data_ptr() != y.data_ptr():
         y.copy_(flat_y.view(y.shape))
 
 

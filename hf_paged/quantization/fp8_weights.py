@@ -73,24 +73,19 @@ def _blockwise_scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _blockwise_scaled_mm(x, weight, scale, bias):
     import torch.nn.functional as F
 
-    # dynamic activation scales, one per token and 128 columns (as the weight's blocks),
-    # computed M-major ([M, K / 128] with strides (1, M)): the layout cuBLASLt reads
-    m, k = x.shape
-    # cuBLASLt refused 17 rows (CUBLAS_STATUS_NOT_SUPPORTED on the H200; M-major scales of a
-    # row count that is not a multiple of 4 are not 16-byte aligned): zero rows pad M to a
-    # multiple of 16, the row counts the GPU test passes
-    pad = -m % 16
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, k)])
-    m = m + pad
-    xb = x.view(m, k // SCALE_BLOCK, SCALE_BLOCK).float()
-    x_scale = (xb.transpose(0, 1).abs().amax(dim=2) / FP8_MAX).clamp(min=1e-12).t()
-    x8 = (xb / x_scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
+    from hf_paged.kernels.fp8_quant import quantize_rows
+
+    # dynamic activation scales, one per token and 128 columns (as the weight's blocks), M-major
+    # (kernels/fp8_quant.py, one launch). cuBLASLt refused 17 rows (CUBLAS_STATUS_NOT_SUPPORTED
+    # on the H200; M-major scales of a row count that is not a multiple of 4 are not 16-byte
+    # aligned): zero rows pad M to a multiple of 16, the row counts the GPU test passes
+    m = x.shape[0]
+    x8, x_scale = quantize_rows(x, m + (-m % 16))
     block = F.ScalingType.BlockWise1x128
     out = F.scaled_mm(
         x8, weight.t(), x_scale, block, _outer_major(scale), block, output_dtype=x.dtype
     )
-    out = out[: m - pad] if pad else out
+    out = out[:m] if out.shape[0] != m else out
     return out if bias is None else out + bias
 
 

@@ -234,6 +234,7 @@ class SmallBatchForward:
                     pdl=pdl,
                 )
             else:
+                normed = torch.empty_like(h) if qkv_lora else None  # the deltas' input
                 qkv = k.fused_gemv(
                     h,
                     layer.qkv.weight,
@@ -241,11 +242,12 @@ class SmallBatchForward:
                     eps=norm.variance_epsilon,
                     bias=layer.qkv.bias,
                     weight_scale=_scales(layer.qkv),
+                    norm_out=normed,
                     pdl=pdl,
                 )
                 if qkv_lora:  # the deltas before RoPE and the KV write
                     names = ("q_proj", "k_proj", "v_proj")
-                    _add_deltas(qkv, norm(h), [lora[n] for n in names], layer.qkv.sizes)
+                    _add_deltas(qkv, normed, [lora[n] for n in names], layer.qkv.sizes)
                     if cos is None:
                         cos, sin = self._cos_sin(h, positions)
                 q = k.rope_write_kv(
@@ -286,12 +288,13 @@ class SmallBatchForward:
                     pdl=pdl,
                 )
             else:  # the deltas before the activation: the ungated GEMV, then act(gate) * up
+                normed = torch.empty_like(h)
                 gu = k.fused_gemv(
                     h, gate_up, norm_weight=norm.weight, eps=norm.variance_epsilon,
-                    weight_scale=gu_scale,
+                    weight_scale=gu_scale, norm_out=normed,
                 )  # fmt: skip
                 wrappers = [lora["gate_proj"], lora["up_proj"]]
-                _add_deltas(gu, norm(h), wrappers, layer.gate_up.sizes)
+                _add_deltas(gu, normed, wrappers, layer.gate_up.sizes)
                 act = layer.mlp.act_fn(gu[:, :rows]) * gu[:, rows:]
             down = layer.down
             h_in, h = (
