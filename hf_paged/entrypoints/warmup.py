@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _first_request(engine) -> float:
-    from hf_paged import SamplingParams
+    from hf_paged.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
     prompt = [(7 * i) % (vocab // 2) + vocab // 2 for i in range(PROMPT_TOKENS)]
