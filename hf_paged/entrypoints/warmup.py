@@ -61,25 +61,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        request_s = None if args.no_request else _first_request(engine)
+        request = None if args.no_request else _first_request(engine)
     finally:
         engine.shutdown()
-    print(report(args.model, load_s, engine.startup_stats, request_s))
+    print(report(args.model, load_s, engine.startup_stats, request))
     return 0
 
 
-def _first_request(engine) -> float:
+def _first_request(engine) -> tuple[float, int]:
+    """Seconds of one short greedy request, and its prompt's length."""
     from hf_paged.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
-    prompt = [(7 * i) % (vocab // 2) + vocab // 2 for i in range(PROMPT_TOKENS)]
+    length = max(1, min(PROMPT_TOKENS, engine.config.max_model_len - NEW_TOKENS))
+    prompt = [(7 * i) % (vocab // 2) + vocab // 2 for i in range(length)]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     engine.generate([prompt], params)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, length
 
 
-def report(model: str, load_s: float, stats: dict, request_s: float | None) -> str:
+def report(model: str, load_s: float, stats: dict, request: tuple[float, int] | None) -> str:
     lines = [f"hf-paged warmup {model}", f"  load model          {load_s:8.2f} s"]
     for name in PHASES:
         lines.append(f"  {name:<20}{stats[f'{name}_s']:8.2f} s")
@@ -87,10 +89,9 @@ def report(model: str, load_s: float, stats: dict, request_s: float | None) -> s
     lines.append(
         f"  CUDA graphs: {stats['decode_graphs']} decode + {stats['mixed_graphs']} mixed-step"
     )
-    if request_s is not None:
-        lines.append(
-            f"  first request ({PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new): {request_s:.2f} s"
-        )
+    if request is not None:
+        seconds, length = request
+        lines.append(f"  first request ({length}-token prompt, {NEW_TOKENS} new): {seconds:.2f} s")
     for name in envs.COMPILE_CACHE_DIRS:
         where = getattr(envs, name)
         lines.append(f"  {name}: {where if where is not None else 'the library default'}")
