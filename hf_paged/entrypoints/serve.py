@@ -75,7 +75,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="hf-paged serve",
+        description=__doc__,
+        epilog="`hf-paged warmup MODEL [same options]` fills the on-disk compile caches this "
+        "command then starts from (docs/startup.md)",
+    )
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     p.add_argument("--port", type=int, default=8000)
