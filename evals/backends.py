@@ -175,6 +175,8 @@ def run_paged(
             "fuse_projections": engine.config.fuse_projections,
             "small_batch_forward": engine.runner.forward.small_batch_status,
             "startup_s": startup_s,
+            # seconds per start-up phase (hf_paged/worker/startup_times.py)
+            "startup": getattr(engine, "startup_stats", None),
         }
 
         # the KV cache and any fused projections must not outlive this backend's run: the

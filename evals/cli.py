@@ -1,5 +1,5 @@
 """The command line behind evals/run.py: accuracy, throughput, export-workload, report, plots,
-coverage, serve-bench, serve-soak, spec, sampling, quant-accuracy."""
+coverage, serve-bench, serve-soak, spec, sampling, quant-accuracy, startup."""
 
 from __future__ import annotations
 
@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve_bench import add_parser as add_serve_bench
     from .serve_soak import add_parser as add_serve_soak
     from .spec_bench import add_parser as add_spec_bench
+    from .startup_bench import add_parser as add_startup_bench
     from .structured_bench import add_parser as add_structured_bench
     from .structured_eval import add_parser as add_structured
 
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_bench(sub, _common)
     add_structured(sub, _common)
     add_structured_bench(sub, _common)
+    add_startup_bench(sub, _common)
 
     cov = sub.add_parser(
         "coverage",

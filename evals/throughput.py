@@ -233,6 +233,10 @@ def format_table(result: dict, model_desc: str) -> str:
                 f"small-batch forward {eng.get('small_batch_forward', 'off')}, "
                 f"engine start-up {eng['startup_s']:.1f} s"
             )
+            if eng.get("startup"):  # absent in results saved before the breakdown
+                from hf_paged.worker.startup_times import format_startup
+
+                lines.append(f"  - {format_startup(eng['startup'])}")
     return "\n".join(lines)
 
 

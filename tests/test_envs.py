@@ -34,3 +34,69 @@ def test_variables_are_read_when_asked_not_at_import(monkeypatch, tmp_path):
     monkeypatch.setenv("PIP_INDEX_URL", "http://index.example/simple")
     assert envs.PIP_INDEX_URL == "http://index.example/simple"
     assert sorted(dir(envs)) == sorted(envs.environment_variables)
+
+
+def _without_cache_folders(monkeypatch) -> None:
+    for name in envs.COMPILE_CACHE_DIRS:  # set first: the test's end puts back what was there
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+
+
+def test_compile_cache_points_inductor_and_triton_into_one_folder(monkeypatch, tmp_path):
+    import triton
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    _without_cache_folders(monkeypatch)
+    monkeypatch.setenv("HF_PAGED_COMPILE_CACHE", str(tmp_path))
+    assert envs.HF_PAGED_COMPILE_CACHE == tmp_path
+    inductor, triton_dir = (str((tmp_path / sub).resolve()) for sub in ("inductor", "triton"))
+    assert envs.use_compile_cache() == {
+        "TORCHINDUCTOR_CACHE_DIR": inductor,
+        "TRITON_CACHE_DIR": triton_dir,
+    }
+    # what the libraries themselves read now
+    assert cache_dir() == inductor
+    assert triton.knobs.cache.dir == triton_dir
+
+
+def test_compile_cache_leaves_a_users_own_folders_alone(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
+    monkeypatch.setenv("HF_PAGED_COMPILE_CACHE", str(tmp_path / "cc"))
+    assert envs.use_compile_cache() == {}
+    assert envs.TORCHINDUCTOR_CACHE_DIR == tmp_path / "mine"
+    assert envs.TRITON_CACHE_DIR == tmp_path / "my-triton"
+    # inductor's default is no user's choice: torch writes it itself when torch._dynamo is
+    # imported (transformers' from_pretrained does)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    ours = str((tmp_path / "cc" / "inductor").resolve())
+    assert envs.use_compile_cache() == {"TORCHINDUCTOR_CACHE_DIR": ours}
+    assert envs.TORCHINDUCTOR_CACHE_DIR == Path(ours)
+    assert envs.TRITON_CACHE_DIR == tmp_path / "my-triton"
+    # an explicit folder (hf-paged warmup --compile-cache) over the variable; neither: no change
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
+    monkeypatch.delenv("HF_PAGED_COMPILE_CACHE")
+    assert envs.use_compile_cache() == {}
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    chosen = envs.use_compile_cache(tmp_path / "given")
+    assert chosen == {"TRITON_CACHE_DIR": str((tmp_path / "given" / "triton").resolve())}
+
+
+def test_an_engine_points_the_caches_before_it_compiles(monkeypatch, tmp_path, tiny_model):
+    from hf_paged import Engine
+    from hf_paged.worker import model_runner
+
+    _without_cache_folders(monkeypatch)
+    monkeypatch.setenv("HF_PAGED_COMPILE_CACHE", str(tmp_path))
+    seen = []
+    real = model_runner.ModelForward
+
+    def forward(*args, **kwargs):  # where torch.compile wraps the model
+        seen.append((envs.TORCHINDUCTOR_CACHE_DIR, envs.TRITON_CACHE_DIR))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "ModelForward", forward)
+    Engine(tiny_model("llama")).shutdown()
+    assert seen == [((tmp_path / "inductor").resolve(), (tmp_path / "triton").resolve())]

@@ -6,11 +6,12 @@
 
 TinyLlama-1.1B shape (or --shape), bf16, random weights; W1 as evals/workloads.py defines it
 (256 requests, prompts 64-512 random tokens, 256 output tokens, EOS ignored). Warm-up on 8
-real-length prompts first (Triton JIT, graphs). Prints start-up, graph-capture time, output
-tokens/s and the wall seconds spent in schedule / execute / update over the run, then batch-1
-decode tokens/s (one 128-token prompt, 512 new tokens, twice: the first run shows first-use
-compiles), then a steady-state breakdown at 256 and at 1 running decodes: wall per step, GPU
-busy per step (union of kernel intervals from torch.profiler) and kernels launched per step.
+real-length prompts first (Triton JIT, graphs). Prints start-up by phase (compile, kernel
+warm-up, graph capture, ...: engine.startup_stats), output tokens/s and the wall seconds
+spent in schedule / execute / update over the run, then batch-1 decode tokens/s (one
+128-token prompt, 512 new tokens, twice: the first run shows first-use compiles), then a
+steady-state breakdown at 256 and at 1 running decodes: wall per step, GPU busy per step
+(union of kernel intervals from torch.profiler) and kernels launched per step.
 --kernels adds each kernel's launches and time; with --only batch1 also a timeline of the last
 steps and the layer chain's critical path by kernel (each kernel's end minus the previous one's).
 
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 from bench_setup import SHAPES, add_engine_options, build_model, engine_options, w1_prompts
+
+from hf_paged.worker.startup_times import format_startup
 
 
 def main() -> None:
@@ -58,12 +61,9 @@ def main() -> None:
     opts = engine_options(args)
     model = build_model(shape)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, bf16")
-    t0 = time.perf_counter()
     eng = Engine(model, **opts)
     print(
-        f"startup {time.perf_counter() - t0:.1f}s (kernel warm-up "
-        f"{eng.runner.warm_up_seconds:.1f}s, graph capture "
-        f"{eng.runner.graph_capture_seconds:.1f}s{_buckets(eng)}), "
+        f"{format_startup(eng.startup_stats)}; "
         f"{eng.kv.num_blocks} KV blocks, "
         f"compiled {eng.runner.forward.compiled}, "
         f"small-batch forward {eng.runner.forward.small_batch_status}",
@@ -141,13 +141,6 @@ def w1(eng, prompts, opts, run: str) -> None:
         + ", ".join(f"{k} {v:.2f}" for k, v in spent.items())
         + f"; execute calls over 50 ms (s, tokens, seqs): {slow[:12]}"
     )
-
-
-def _buckets(eng) -> str:
-    g = eng.runner.graphs
-    if g is None:
-        return ""
-    return f" for {len(g.buckets)} decode + {len(g.token_buckets)} mixed-step buckets"
 
 
 def run_workload(

@@ -22,17 +22,27 @@ from hf_paged.worker.model_runner import ModelRunner
 
 
 class EngineCore:
-    def __init__(self, model, config: EngineConfig, lora=None, tokenizer=None, tp=None) -> None:
+    def __init__(
+        self, model, config: EngineConfig, lora=None, tokenizer=None, tp=None, startup=None
+    ) -> None:
+        """startup: the Engine's StartupTimes (worker/startup_times.py), which the runner and
+        the speculative decoder's set-up add their phases to."""
         self.config = config
         reserved = 0
         if config.draft_model is not None:  # its KV shares the target's block ids
             check_draft(config.draft_model, model)
             reserved = draft_bytes_per_block(config.draft_model, config)
         self.runner = ModelRunner(
-            model, config, lora=lora is not None, reserved_bytes_per_block=reserved, tp=tp
+            model,
+            config,
+            lora=lora is not None,
+            reserved_bytes_per_block=reserved,
+            tp=tp,
+            startup=startup,
         )
         try:
-            self.runner.spec = build_spec_decoder(self.runner, config)
+            with self.runner.startup.phase("speculative"):
+                self.runner.spec = build_spec_decoder(self.runner, config)
         except BaseException:
             self.runner.shutdown()
             raise

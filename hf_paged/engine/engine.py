@@ -8,12 +8,14 @@ while engine.has_unfinished_requests():
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from functools import partial
 
 import torch
 
+from hf_paged import envs
 from hf_paged.config import EngineConfig
 from hf_paged.core.request import Request, RequestOutput, RequestStatus
 from hf_paged.engine.core import EngineCore
@@ -28,6 +30,9 @@ from hf_paged.lora import routing as lora
 from hf_paged.quantization.fp8_weights import check_quantizable, quantize_model
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
+from hf_paged.worker.startup_times import StartupTimes, format_startup
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -50,6 +55,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, **options) -> None:
         from hf_paged.integrations.transformers import enable_paged_attention
 
+        startup = StartupTimes()  # from here to the end of __init__
+        envs.use_compile_cache()  # HF_PAGED_COMPILE_CACHE, before anything compiles
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = EngineConfig.from_options(**options)
@@ -60,27 +67,32 @@ class Engine:
         self._stepping = self._closed = False
         self._lease = enable_paged_attention(model, self)
         try:
-            self._build(model, config)
+            self._build(model, config, startup)
         except BaseException:  # bad options found late: the model goes back as it came
             if getattr(self, "runner", None) is not None:  # compiled layers undone first
                 self.runner.shutdown()
             self._release_model()
             raise
+        # seconds per start-up phase, total_s, graph counts (worker/startup_times.py)
+        self.startup_stats = startup.finish()
+        logger.info("hf_paged: %s", format_startup(self.startup_stats))
 
-    def _build(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    def _build(self, model: torch.nn.Module, config: EngineConfig, startup: StartupTimes) -> None:
         config.resolve_for(model)
         self.vocab_size = model.config.get_text_config().vocab_size
         routing = lora.route_adapters(model, config, self._lease)  # a PeftModel's LoRA
         # before compile and graph capture see the model; put back by the last Engine on it
-        self.num_fused_projections = _prepare_weights(model, config, self._lease)
+        self.num_fused_projections = _prepare_weights(model, config, self._lease, startup)
         self._lease.fused |= self.num_fused_projections > 0
-        self.core = core = EngineCore(model, config, routing, self.tokenizer, self._lease.tp)
+        self.core = core = EngineCore(
+            model, config, routing, self.tokenizer, self._lease.tp, startup
+        )
         # the core's parts, for introspection (stats, tests, benchmarks)
         self.runner, self.kv, self.scheduler = core.runner, core.kv, core.scheduler
-        # the start-up check's relative logits error (verify.py); None when off
-        self.verify_error = (
-            verify_model(model, self.runner, self._lease) if config.verify_model else None
-        )
+        with startup.phase("verify_model"):  # the check's relative logits error; None: off
+            self.verify_error = (
+                verify_model(model, self.runner, self._lease) if config.verify_model else None
+            )
         self.inputs = InputProcessor(
             config,
             self.tokenizer,
@@ -94,18 +106,9 @@ class Engine:
         self._queued: list[RequestOutput] = []  # final outputs of aborts, reported by step()
 
     def _release_model(self) -> None:
-        from hf_paged.integrations.transformers import disable_paged_attention
-
         lease, self._lease = self._lease, None
-        if lease is None or not disable_paged_attention(self.model, self):
-            return
-        if lease.fused:
-            from hf_paged.integrations.fused_projections import unfuse_projections
-
-            unfuse_projections(self.model)
-        for held in (lease.lora, lease.tp):  # LoRA routing; tensor-parallel ranks, after unfusing
-            if held is not None:
-                held.close()
+        if lease is not None:
+            _give_back(self.model, self, lease)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -352,7 +355,25 @@ class Engine:
         return self.kv.reset_prefix_cache()
 
 
-def _prepare_weights(model: torch.nn.Module, config: EngineConfig, lease) -> int:
+def _give_back(model: torch.nn.Module, engine: Engine, lease) -> None:
+    """The engine lets go of the model; the last Engine on it puts back its attention, its
+    projections, its LoRA layers and its tensor-parallel ranks."""
+    from hf_paged.integrations.transformers import disable_paged_attention
+
+    if not disable_paged_attention(model, engine):
+        return
+    if lease.fused:
+        from hf_paged.integrations.fused_projections import unfuse_projections
+
+        unfuse_projections(model)
+    for held in (lease.lora, lease.tp):  # LoRA routing; tensor-parallel ranks, after unfusing
+        if held is not None:
+            held.close()
+
+
+def _prepare_weights(
+    model: torch.nn.Module, config: EngineConfig, lease, startup: StartupTimes
+) -> int:
     """Tensor-parallel sharding (the other ranks started on their shards: hf_paged/distributed),
     fused projections (per rank), then FP8 weights (the fused matrices quantised as one); a
     model that cannot be quantised is refused before it is touched. Returns the fused groups."""
@@ -362,7 +383,11 @@ def _prepare_weights(model: torch.nn.Module, config: EngineConfig, lease) -> int
         lease.tp = TensorParallelExecutor(model, config, lease)
     if config.quantization is not None:
         check_quantizable(model, config.quantization)
-    fused = fuse_projections(model) if config.fuse_projections else 0
+    fused = 0
+    if config.fuse_projections:
+        with startup.phase("fuse_projections"):
+            fused = fuse_projections(model)
     if config.quantization is not None:
-        quantize_model(model, config.quantization)
+        with startup.phase("quantize"):
+            quantize_model(model, config.quantization)
     return fused

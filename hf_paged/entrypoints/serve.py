@@ -37,18 +37,9 @@ def _lora(text: str) -> tuple[str, str]:
     return name, path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-paged serve", description=__doc__)
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What loads the model (load()): shared by `hf-paged serve` and `hf-paged warmup`."""
     p.add_argument("model", help="a local folder or a hub id (AutoModelForCausalLM)")
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=envs.HF_PAGED_API_KEY,
-        help="require `Authorization: Bearer KEY` on every route but /health "
-        "(default: $HF_PAGED_API_KEY; none: no key)",
-    )
-    p.add_argument("--served-model-name", default=None, help="the `model` clients send")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: model)")
     p.add_argument(
         "--lora",
@@ -66,22 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="load with bitsandbytes",
     )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The Engine's options (model_engine_options()): shared by serve and warmup."""
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch")
-    p.add_argument(
-        "--max-queued",
-        type=int,
-        default=1024,
-        help="sequences waiting beyond max-num-seqs before requests get 429",
-    )
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument(
-        "--stream-interval-ms",
-        type=float,
-        default=STREAM_INTERVAL_S * 1000,
-        help="the engine hands tokens to the HTTP side at most once per this many ms per live "
-        "stream (256 streams: every ~128 ms, many tokens per chunk); 0: after every step",
-    )
     p.add_argument(
         "--engine-option",
         action="append",
@@ -91,13 +72,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="any Engine option (hf_paged.config.EngineConfig), e.g. num_blocks=4096, "
         "compile=False; repeatable",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hf-paged serve",
+        description=__doc__,
+        epilog="`hf-paged warmup MODEL [same options]` fills the on-disk compile caches this "
+        "command then starts from (docs/startup.md)",
+    )
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=envs.HF_PAGED_API_KEY,
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(default: $HF_PAGED_API_KEY; none: no key)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send")
+    add_engine_arguments(p)
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="sequences waiting beyond max-num-seqs before requests get 429",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=STREAM_INTERVAL_S * 1000,
+        help="the engine hands tokens to the HTTP side at most once per this many ms per live "
+        "stream (256 streams: every ~128 ms, many tokens per chunk); 0: after every step",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
 
 def check_loras(args) -> None:
     names = [name for name, _ in args.lora]
-    served = args.served_model_name or args.model
+    served = getattr(args, "served_model_name", None) or args.model
     if len(set(names)) != len(names):
         raise ValueError(f"--lora: each adapter needs a name of its own, got {names}")
     if served in names:
@@ -105,9 +120,15 @@ def check_loras(args) -> None:
 
 
 def engine_options(args) -> dict:
-    check_loras(args)
+    """serve's Engine options, checked with the server's own (before minutes of loading)."""
     if not args.stream_interval_ms >= 0:
         raise ValueError(f"--stream-interval-ms: must be >= 0, got {args.stream_interval_ms}")
+    return model_engine_options(args)
+
+
+def model_engine_options(args) -> dict:
+    """The Engine options of add_model_arguments / add_engine_arguments, checked."""
+    check_loras(args)
     options = dict(args.engine_option)
     for key in ("max_num_seqs", "max_model_len"):
         if getattr(args, key) is not None:

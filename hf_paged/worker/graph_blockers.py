@@ -3,7 +3,7 @@
 Each kind of part (transformers' grouped_mm MoE experts on non-bfloat16 weights, bitsandbytes
 LLM.int8 layers, ...) contributes its modules and a reason. The compiled forward runs those
 modules eagerly (hf_paged/worker/compilation.py), and the model runner captures no graphs for
-the model, warning with every reason (hf_paged/worker/model_runner.py): slower, never a crash.
+the model, warning with every reason (hf_paged/worker/startup.py): slower, never a crash.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ compile the model again.
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 
 import torch
@@ -31,6 +32,9 @@ class ModelForward:
         if self.compiled:  # worker/compilation.py: whole forward or one graph for every layer
             self._model_forward, self._undo_compile = compile_model(model, config.compile_scope)
         self._compile_ok = False
+        # wall seconds of the first compiled forward: where dynamo and inductor compile (the
+        # token dimension is dynamic, so later token counts reuse that graph); start-up reports it
+        self.compile_seconds = 0.0
         try:
             self.small_batch = self._small_batch_forward(model, config, backend_name)
         except Exception:
@@ -69,11 +73,14 @@ class ModelForward:
         if isinstance(input_ids, PendingTokens):
             input_ids = input_ids.resolve()
         if self.compiled and not self._compile_ok:  # the first compiled forward compiles
+            t0 = time.perf_counter()
             try:
                 out = self._dispatch(input_ids, positions, keep)
             except torch._dynamo.exc.TorchDynamoException as exc:
+                self.compile_seconds += time.perf_counter() - t0  # the attempt counts too
                 self._fall_back_to_eager(exc)
                 return self._dispatch(input_ids, positions, keep)
+            self.compile_seconds += time.perf_counter() - t0
             self._compile_ok = True
             return out
         return self._dispatch(input_ids, positions, keep)

@@ -11,8 +11,6 @@ its boundary is plain data: a ScheduledBatch in, a ModelRunnerOutput out.
 from __future__ import annotations
 
 import contextlib
-import time
-import warnings
 
 import numpy as np
 import torch
@@ -26,11 +24,11 @@ from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
 from hf_paged.worker.deferred_sampling import defer_sampling, forks
 from hf_paged.worker.forward_context import ForwardContext, forward_context
-from hf_paged.worker.graph_blockers import graph_blocker
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
 from hf_paged.worker.model_forward import ModelForward
-from hf_paged.worker.startup import KVCacheSpec, determine_num_blocks, warm_up_kernels
+from hf_paged.worker.startup import KVCacheSpec, capture_graphs, determine_num_blocks
+from hf_paged.worker.startup_times import StartupTimes
 from hf_paged.worker.step_inputs import (
     KeptRows,
     StepInputs,
@@ -51,8 +49,10 @@ class ModelRunner:
         lora: bool = False,
         reserved_bytes_per_block: int = 0,
         tp=None,
+        startup: StartupTimes | None = None,
     ) -> None:
         self.model = model
+        self.startup = startup if startup is not None else StartupTimes()  # seconds per phase
         # tensor parallelism (hf_paged/distributed): rank 0's executor, which mirrors each
         # forward to the other ranks, or a worker's handle; None on one device
         self.tp = tp
@@ -65,12 +65,12 @@ class ModelRunner:
         model_dtype = getattr(model, "dtype", param.dtype)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model_dtype)
         self.block_size = config.block_size
-        self.kv_spec = KVCacheSpec(model, config.block_size, kv_dtype)
-        # FP8 caches: (k_scale, v_scale) per layer or per KV head, fixed from here on (CUDA
-        # graphs bake them)
-        self.kv_scales = kv_cache_scales(
-            model, [s.num_kv_heads for s in self.kv_spec.layers], kv_dtype, config.kv_cache_scale
-        )
+        with self.startup.phase("kv_sizing"):
+            self.kv_spec = KVCacheSpec(model, config.block_size, kv_dtype)
+            # FP8 caches: (k_scale, v_scale) per layer or per KV head, fixed from here on (CUDA
+            # graphs bake them)
+            num_kv_heads = [s.num_kv_heads for s in self.kv_spec.layers]
+            self.kv_scales = kv_cache_scales(model, num_kv_heads, kv_dtype, config.kv_cache_scale)
         self.backend = make_backend(config.attention_backend, self.device, config.block_size)
         self._host_lists = self.backend.name == "torch"
         self.sampler = Sampler(self.device)
@@ -81,6 +81,7 @@ class ModelRunner:
         self._pending: PendingOutput | None = None
         self.steps = 0  # steps executed (a sampling graph's penalty counts follow runs of them)
         self.forward = ModelForward(model, config, self.backend.name)
+        self.startup.forward = self.forward  # its first compiled forward counts as compile
         try:
             self._start(config)
         except Exception:  # e.g. no memory left for the KV cache: the model goes back as it came
@@ -88,49 +89,35 @@ class ModelRunner:
             raise
 
     def _start(self, config: EngineConfig) -> None:
-        """KV cache sizing and allocation, kernel warm-up, CUDA-graph capture."""
-        self.num_blocks = determine_num_blocks(
-            config,
-            self.kv_spec,
-            self.device,
-            self.forward,
-            self.backend,
-            self.reserved_bytes_per_block,
-        )
-        if self.tp is not None:  # every rank's cache holds the same block ids
-            self.num_blocks = self.tp.min_over_ranks(self.num_blocks)
-        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
-        self.input_batch = InputBatch(
-            config.max_num_seqs, config.max_model_len, config.block_size, self.device
-        )
-        # Asynchronous scheduling: each row's last sampled token stays on the device for the next
-        # step, and lands on the host in one of two alternating (pinned) buffers.
-        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
-        pin = self.device.type == "cuda"
-        self._host_tokens = [
-            torch.empty(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
-        ]
-        self._host_flip = 0
-        self.graphs = None
-        self.graph_capture_seconds = 0.0
-        self.warm_up_seconds = 0.0
-        if self.device.type == "cuda" and self.backend.name == "triton":
-            t0 = time.perf_counter()
-            warm_up_kernels(
-                self.forward, self.kv_caches, self.backend, config, self.device, self.lora
+        """KV cache sizing and allocation, then kernel warm-up and CUDA-graph capture."""
+        with self.startup.phase("kv_sizing"):
+            self.num_blocks = determine_num_blocks(
+                config,
+                self.kv_spec,
+                self.device,
+                self.forward,
+                self.backend,
+                self.reserved_bytes_per_block,
             )
-            self.warm_up_seconds = time.perf_counter() - t0
-        blocker = graph_blocker(self.model) if config.cuda_graphs else None
-        if blocker is not None and self.device.type == "cuda":
-            warnings.warn(f"hf_paged: CUDA graphs off: {blocker}", RuntimeWarning, stacklevel=2)
-        graphs_ok = config.cuda_graphs and self.backend.graph_safe and blocker is None
-        if self.device.type == "cuda" and graphs_ok:
-            from hf_paged.worker.cuda_graphs import CudaGraphRunner
-
-            t0 = time.perf_counter()
-            self.graphs = CudaGraphRunner(self)
-            self.graphs.capture()
-            self.graph_capture_seconds = time.perf_counter() - t0
+            if self.tp is not None:  # every rank's cache holds the same block ids
+                self.num_blocks = self.tp.min_over_ranks(self.num_blocks)
+        with self.startup.phase("kv_allocation"):
+            self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device)
+            self.input_batch = InputBatch(
+                config.max_num_seqs, config.max_model_len, config.block_size, self.device
+            )
+            # Asynchronous scheduling: each row's last sampled token stays on the device for the
+            # next step, and lands on the host in one of two alternating (pinned) buffers.
+            self.last_tokens = torch.zeros(
+                config.max_num_seqs, dtype=torch.long, device=self.device
+            )
+            pin = self.device.type == "cuda"
+            self._host_tokens = [
+                torch.empty(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
+            ]
+        self._host_flip = 0
+        self.graphs = None  # the warm-up forwards run before any graph exists
+        self.graphs = capture_graphs(self, config, self.startup)
 
     def shutdown(self) -> None:
         if self._pending is not None:  # nothing may wait on a sampling never queued

@@ -1,8 +1,10 @@
 """What the model runner does once at start-up: KV-cache geometry and sizing (a profiling forward
-at the full token budget on CUDA), and a warm-up of every attention-kernel variant."""
+at the full token budget on CUDA), a warm-up of every attention-kernel variant, and the capture
+of the CUDA graphs."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -11,6 +13,8 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.worker.forward_context import AttentionMetadata, ForwardContext, forward_context
+from hf_paged.worker.graph_blockers import graph_blocker
+from hf_paged.worker.startup_times import StartupTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +239,30 @@ def warm_up_kernels(
             with forward_context(ctx):
                 forward(ids, pos, keep)
     torch.cuda.synchronize(device)
+
+
+def capture_graphs(runner, config: EngineConfig, times: StartupTimes):
+    """On CUDA: the kernel warm-up (Triton backend), then every decode and mixed-step graph;
+    returns the CudaGraphRunner, or None where graphs are off or cannot run. Both timed."""
+    device = runner.device
+    if device.type == "cuda" and runner.backend.name == "triton":
+        with times.phase("kernel_warm_up"):
+            warm_up_kernels(
+                runner.forward, runner.kv_caches, runner.backend, config, device, runner.lora
+            )
+    blocker = graph_blocker(runner.model) if config.cuda_graphs else None
+    if blocker is not None and device.type == "cuda":
+        warnings.warn(f"hf_paged: CUDA graphs off: {blocker}", RuntimeWarning, stacklevel=3)
+    graphs_ok = config.cuda_graphs and runner.backend.graph_safe and blocker is None
+    if device.type != "cuda" or not graphs_ok:
+        return None
+    from hf_paged.worker.cuda_graphs import CudaGraphRunner
+
+    with times.phase("graph_capture"):
+        graphs = CudaGraphRunner(runner)
+        graphs.capture()
+    times.decode_graphs, times.mixed_graphs = len(graphs.buckets), len(graphs.token_buckets)
+    return graphs
 
 
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
