@@ -42,6 +42,13 @@ def add_parser(sub, common) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="draft workload prompt tokens")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument(
+        "--small-batch-rows",
+        type=int,
+        default=None,
+        help="engine option: steps of up to this many tokens (1-8) run the fused small-batch "
+        "forward; a batch-1 verify step has k + 1 tokens (default: the engine's, 2)",
+    )
     p.set_defaults(run=cmd_spec)
 
 
@@ -152,6 +159,7 @@ def _run_draft(args):
         target.model,
         draft_model=draft.model,
         num_speculative_tokens=args.num_speculative_tokens,
+        **({} if args.small_batch_rows is None else {"small_batch_rows": args.small_batch_rows}),
         max_num_seqs=max_seqs,
         num_blocks=blocks,
         max_model_len=total + 16,

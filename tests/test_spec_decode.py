@@ -121,6 +121,33 @@ def test_draft_greedy_identical_mixed_lengths(target_arch, draft_arch, tiny_mode
     engine.shutdown()
 
 
+def test_verify_steps_in_the_small_batch_forward(tiny_model):
+    # small_batch_rows above k + 1: a batch-1 verify step (k + 1 query tokens, k + 1 logits
+    # rows kept) runs the fused small-batch forward (Triton interpreter here); same tokens
+    target = tiny_model("llama")
+    prompts = _prompts([9])
+    opts = dict(attention_backend="triton", async_scheduling=False)
+    ref = _reference(target, prompts, 12, small_batch_rows=0, **opts)
+    engine = Engine(
+        target, draft_model=tiny_model("llama", seed=3), small_batch_rows=8, **opts, **FIXED
+    )
+    fast = engine.runner.forward.small_batch
+    assert fast is not None, engine.runner.forward.small_batch_status
+    rows = []
+    engine.runner.forward.small_batch = type(
+        "Counting",
+        (),
+        {
+            "max_rows": fast.max_rows,
+            "__call__": lambda s, i, *a: rows.append(i.shape[0]) or fast(i, *a),
+        },
+    )()
+    got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    engine.shutdown()
+    assert got == ref
+    assert FIXED["num_speculative_tokens"] + 1 in rows  # verify steps ran fused
+
+
 def test_draft_equal_to_target_accepts_everything(tiny_model):
     target = tiny_model("llama")
     prompts = _prompts([9, 33, 17])
