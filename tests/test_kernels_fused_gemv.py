@@ -1,4 +1,5 @@
-"""kernels/fused_gemv.py and kernels/rope_kv.py under the Triton interpreter, against their torch
+"""kernels/fused_gemv.py, kernels/rope_kv.py and kernels/residual_norm.py under the Triton
+interpreter, against their torch
 references (which compute what transformers' RMSNorm / Linear / SiLU-mul / residual add /
 apply_rotary_pos_emb modules compute), and their refusals of bad inputs."""
 
@@ -294,3 +295,39 @@ def test_norm_qkv_rope_refuses_bad_inputs():
         call(positions=pos.int())
     with pytest.raises(ValueError, match="value_cache"):
         call(value_cache=kc.double())
+
+
+@pytest.mark.parametrize("plus_one", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_rms_norm_matches_reference(plus_one, dtype):
+    """Gemma 2's sandwich norm and add (residual + Gemma2RMSNorm(x)) in one launch; the
+    reference equals the transformers module."""
+    from hf_paged.kernels import residual_rms_norm, residual_rms_norm_ref
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x, r = (torch.randn(3, K, generator=g) * 4).to(dtype), torch.randn(3, K, generator=g).to(dtype)
+    module = (Gemma2RMSNorm if plus_one else LlamaRMSNorm)(K, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(K, generator=g) * 0.5)
+        want = r + module(x)
+    w = module.weight.detach()
+    assert torch.equal(residual_rms_norm_ref(x, r, w, 1e-6, plus_one), want)
+    got = residual_rms_norm(x, r, w, 1e-6, plus_one)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-1, rtol=5e-2)
+    torch.testing.assert_close(got, want, **tol)
+    one_row = residual_rms_norm(x[1:2], r[1:2], w, 1e-6, plus_one)
+    torch.testing.assert_close(one_row, want[1:2], **tol)
+
+
+def test_residual_rms_norm_refuses_bad_inputs():
+    from hf_paged.kernels import residual_rms_norm
+
+    x, w = torch.zeros(2, K), torch.ones(K)
+    with pytest.raises(ValueError, match="one \\[R, N\\] shape"):
+        residual_rms_norm(x, x[:1], w, 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        residual_rms_norm(x, x.double(), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        residual_rms_norm(torch.zeros(K, 2).t(), x, w, 1e-6)

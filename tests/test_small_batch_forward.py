@@ -274,3 +274,39 @@ def test_lora_adapters_in_the_small_batch_forward(peft_model, tables, monkeypatc
 
 def _plain(p: SamplingParams) -> dict:
     return dict(max_tokens=p.max_tokens, temperature=0, ignore_eos=True, logprobs=p.logprobs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_lora_adapters_on_families_in_the_small_batch_forward(tiny_model, lora_b, arch):
+    """LoRA on every projection of Qwen3 (deltas before the head norms) and Gemma 2 (o/down
+    deltas before the sandwich norms, gate/up before GELU): each row's tokens and log-probs as
+    the transformers forward's with the LoRA layers."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(
+        tiny_model(arch), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets), "a"
+    )
+    model.add_adapter("b", peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets[3:]))
+    torch.manual_seed(7)
+    lora_b(model)
+    model.eval()
+    prompts = _prompts([3, 12, 9], seed=6)
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2, adapter=n)
+        for n in ("a", "b", None)
+    ]
+    plain = Engine(model, small_batch_rows=0, **ENGINE)
+    want = plain.generate(prompts, params)
+    plain.shutdown()
+    eng = Engine(model, small_batch_rows=8, **ENGINE)
+    assert eng.runner.forward.small_batch is not None
+    seen = _counting(eng)
+    got = eng.generate(prompts, params)
+    assert 3 in seen  # the 3-row decode steps ran fused, with both adapters in them
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    for a, b in zip(got, want):
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            for tok in da:
+                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    eng.shutdown()

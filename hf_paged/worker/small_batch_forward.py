@@ -175,10 +175,8 @@ class SmallBatchForward:
                 attn = k.decode_attention(q, *args, pdl=pdl)
             else:
                 attn = ctx.backend.paged_attention(q, *args, pdl=pdl)
-            o, attn = layer.o, attn.view(t, -1)
-            h = self._residual_gemv(attn, o, h, layer.attn_out_norm)
-            if lora is not None:
-                _add_deltas(h, attn, [lora["o_proj"]])
+            wrapper = lora["o_proj"] if lora is not None else None
+            h = self._residual_gemv(attn.view(t, -1), layer.o, h, layer.attn_out_norm, wrapper)
             norm, gate_up, rows = layer.mlp_norm, layer.gate_up.weight, layer.gate_rows
             if lora is None or not (lora["gate_proj"] or lora["up_proj"]):
                 act = self._norm_gemv(
@@ -189,22 +187,29 @@ class SmallBatchForward:
                 wrappers = [lora["gate_proj"], lora["up_proj"]]
                 _add_deltas(gu, norm(h), wrappers, layer.gate_up.sizes)
                 act = layer.mlp.act_fn(gu[:, :rows]) * gu[:, rows:]
-            h_in, h = act, self._residual_gemv(act, layer.down, h, layer.mlp_out_norm)
-            if lora is not None:
-                _add_deltas(h, h_in, [lora["down_proj"]])
+            wrapper = lora["down_proj"] if lora is not None else None
+            h = self._residual_gemv(act, layer.down, h, layer.mlp_out_norm, wrapper)
         logits = self._norm_gemv(h, self.lm_head.weight, self.base.norm, rows=keep)
         if self.final_softcap:  # as Gemma2ForCausalLM: divide, tanh, multiply
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def _residual_gemv(self, x, linear: nn.Linear, residual, out_norm: nn.Module | None):
+    def _residual_gemv(self, x, linear: nn.Linear, residual, out_norm, wrapper):
         """residual + x @ W.T (+ b), or with out_norm (Gemma 2's sandwich norms) residual +
-        out_norm(x @ W.T)."""
+        out_norm(x @ W.T); wrapper: the LoRA layer around the linear, its delta added to the
+        product (before out_norm)."""
         k = self.kernels
         if out_norm is None:
-            return k.fused_gemv(x, linear.weight, bias=linear.bias, residual=residual, pdl=self.pdl)
+            h = k.fused_gemv(x, linear.weight, bias=linear.bias, residual=residual, pdl=self.pdl)
+            if wrapper is not None:
+                _add_deltas(h, x, [wrapper])
+            return h
         y = k.fused_gemv(x, linear.weight, bias=linear.bias, pdl=self.pdl)
-        return residual + out_norm(y)
+        if wrapper is not None:
+            _add_deltas(y, x, [wrapper])
+        return k.residual_rms_norm(
+            y, residual, out_norm.weight, norm_eps(out_norm), self.norm_plus_one, pdl=self.pdl
+        )
 
 
 def _lora_wrappers(layer: Layer) -> dict | None:
