@@ -65,15 +65,16 @@ def rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dt):
 
 
 @triton.jit
-def _rotate(base, cos1, cos2, sin1, sin2, offs, HALF: tl.constexpr, dt, nw_ptr, eps,
+def _rotate(base, cos1, cos2, sin1, sin2, offs, m, HALF: tl.constexpr, dt, nw_ptr, eps,
             HEAD_NORM: tl.constexpr):  # fmt: skip
-    x1 = tl.load(base + offs).to(tl.float32)
-    x2 = tl.load(base + HALF + offs).to(tl.float32)
+    # m masks offs to HALF (a power-of-2 tile over a half of 40 or 48: head_dim 80 / 96)
+    x1 = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + offs, mask=m, other=0.0).to(tl.float32)
     if HEAD_NORM:  # the head's RMSNorm (fp32 sum of squares, LlamaRMSNorm's rounding)
         sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)
-        g1 = tl.load(nw_ptr + offs).to(tl.float32)
-        g2 = tl.load(nw_ptr + HALF + offs).to(tl.float32)
+        g1 = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        g2 = tl.load(nw_ptr + HALF + offs, mask=m, other=0.0).to(tl.float32)
         x1 = (g1 * (x1 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         x2 = (g2 * (x2 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     return rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dt)
@@ -103,6 +104,7 @@ def _rope_kv_kernel(
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # next power of 2
     PAGE_SIZE: tl.constexpr,
     HEAD_NORM: tl.constexpr,
     PDL: tl.constexpr,
@@ -114,19 +116,20 @@ def _rope_kv_kernel(
         gdc_launch_dependents()
         gdc_wait()
     dt = q_ptr.dtype.element_ty
-    offs = tl.arange(0, HALF)
-    cos1 = tl.load(cos_ptr + t * stride_cos + offs).to(tl.float32)
-    cos2 = tl.load(cos_ptr + t * stride_cos + HALF + offs).to(tl.float32)
-    sin1 = tl.load(sin_ptr + t * stride_sin + offs).to(tl.float32)
-    sin2 = tl.load(sin_ptr + t * stride_sin + HALF + offs).to(tl.float32)
+    offs = tl.arange(0, HALF_PAD)
+    m = offs < HALF
+    cos1 = tl.load(cos_ptr + t * stride_cos + offs, mask=m, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_cos + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_sin + offs, mask=m, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_sin + HALF + offs, mask=m, other=0.0).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
     if h < NUM_Q_HEADS:
         o1, o2 = _rotate(
-            row + h * 2 * HALF, cos1, cos2, sin1, sin2, offs, HALF, dt, qn_ptr, eps, HEAD_NORM
+            row + h * 2 * HALF, cos1, cos2, sin1, sin2, offs, m, HALF, dt, qn_ptr, eps, HEAD_NORM
         )
         out = q_ptr + (t * NUM_Q_HEADS + h) * 2 * HALF
-        tl.store(out + offs, o1)
-        tl.store(out + HALF + offs, o2)
+        tl.store(out + offs, o1, mask=m)
+        tl.store(out + HALF + offs, o2, mask=m)
     else:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
@@ -134,16 +137,27 @@ def _rope_kv_kernel(
             block_id = slot // PAGE_SIZE
             block_off = slot % PAGE_SIZE
             k1, k2 = _rotate(
-                row + h * 2 * HALF, cos1, cos2, sin1, sin2, offs, HALF, dt, kn_ptr, eps, HEAD_NORM
+                row + h * 2 * HALF,
+                cos1,
+                cos2,
+                sin1,
+                sin2,
+                offs,
+                m,
+                HALF,
+                dt,
+                kn_ptr,
+                eps,
+                HEAD_NORM,
             )
             kc = kc_ptr + block_id * stride_kc_b + block_off * stride_kc_s + j * stride_kc_h
             cdt = kc_ptr.dtype.element_ty
-            tl.store(kc + offs, k1.to(cdt))
-            tl.store(kc + HALF + offs, k2.to(cdt))
+            tl.store(kc + offs, k1.to(cdt), mask=m)
+            tl.store(kc + HALF + offs, k2.to(cdt), mask=m)
             v = row + (h + NUM_KV_HEADS) * 2 * HALF
             vc = vc_ptr + block_id * stride_vc_b + block_off * stride_vc_s + j * stride_vc_h
-            tl.store(vc + offs, tl.load(v + offs).to(cdt))
-            tl.store(vc + HALF + offs, tl.load(v + HALF + offs).to(cdt))
+            tl.store(vc + offs, tl.load(v + offs, mask=m).to(cdt), mask=m)
+            tl.store(vc + HALF + offs, tl.load(v + HALF + offs, mask=m).to(cdt), mask=m)
 
 
 def rope_write_kv(
@@ -160,7 +174,7 @@ def rope_write_kv(
     eps: float = 0.0,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """rope_write_kv_ref by one Triton launch (power-of-2 head_dim, contiguous rows)."""
+    """rope_write_kv_ref by one Triton launch (even head_dim, contiguous rows)."""
     check_kv_cache_pair(key_cache, value_cache)
     num_kv_heads, head_dim = key_cache.shape[2:]
     t = qkv.shape[0]
@@ -170,8 +184,8 @@ def rope_write_kv(
             f"qkv must be [num_tokens, {width}] with contiguous rows (q, k, v heads of "
             f"{head_dim}), got {list(qkv.shape)} strides {qkv.stride()}"
         )
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of 2, got {head_dim}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
     for name, c in (("cos", cos), ("sin", sin)):
         if c.shape != (t, head_dim) or c.stride(1) != 1:
             raise ValueError(f"{name} must be [{t}, {head_dim}], got {list(c.shape)}")
@@ -210,6 +224,7 @@ def rope_write_kv(
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
         PAGE_SIZE=key_cache.shape[1],
         HEAD_NORM=head_norm,
         PDL=pdl,

@@ -166,10 +166,11 @@ def test_fused_gemv_refuses_bad_inputs():
         fused_gemv(x, w, up_weight=w, activation="relu")
 
 
+@pytest.mark.parametrize("d", [16, 24])  # 24: halves of 12 in a tile of 16 (head_dim 96's case)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_matches_reference(dtype):
+def test_rope_write_kv_matches_reference(dtype, d):
     g = torch.Generator().manual_seed(1)
-    t, hq, hkv, d = 3, 4, 2, 16
+    t, hq, hkv = 3, 4, 2
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     cos, sin = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
     caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(4)]
@@ -184,14 +185,15 @@ def test_rope_write_kv_matches_reference(dtype):
     assert written.nonzero().flatten().tolist() == [5, 9]
 
 
+@pytest.mark.parametrize("d", [16, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_with_head_norms_matches_reference(dtype):
+def test_rope_write_kv_with_head_norms_matches_reference(dtype, d):
     """Qwen3's q_norm / k_norm over each head before RoPE, in the same launch; the reference is
     Qwen3RMSNorm then apply_rotary_pos_emb."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(2)
-    t, hq, hkv, d = 3, 4, 2, 16
+    t, hq, hkv = 3, 4, 2
     qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
     angles = torch.randn(t, d // 2, generator=g)
     cos, sin = angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
@@ -227,9 +229,9 @@ def test_rope_write_kv_refuses_bad_inputs():
         rope_write_kv(qkv, cs[:2], cs, kc, kc.clone(), slots, 4)
     with pytest.raises(ValueError, match="slot_mapping"):
         rope_write_kv(qkv, cs, cs, kc, kc.clone(), slots.int(), 4)
-    odd = torch.zeros(4, 4, 2, 12)
-    with pytest.raises(ValueError, match="power of 2"):
-        rope_write_kv(torch.zeros(3, 8 * 12), cs[:, :12], cs[:, :12], odd, odd.clone(), slots, 4)
+    odd = torch.zeros(4, 4, 2, 13)
+    with pytest.raises(ValueError, match="even"):
+        rope_write_kv(torch.zeros(3, 8 * 13), cs[:, :13], cs[:, :13], odd, odd.clone(), slots, 4)
     with pytest.raises(ValueError, match="come together"):
         rope_write_kv(qkv, cs, cs, kc, kc.clone(), slots, 4, q_norm_weight=torch.ones(16))
     with pytest.raises(ValueError, match="q_norm_weight must be"):

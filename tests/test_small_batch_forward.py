@@ -87,20 +87,27 @@ def _transformers_greedy(model, prompt: list[int], max_new_tokens: int):
 
 
 # qwen3: q/k head norms (head_dim 32 != hidden / heads). phi3: the checkpoint's fused qkv_proj
-# and gate_up_proj (MHA), and a sliding window of 12 (shorter than the prompts and outputs).
+# and gate_up_proj (MHA), and a sliding window of 12 (shorter than the prompts and outputs);
+# phi3 with head_dim 24 (Phi-3-mini's 96 in small: no rotary tables, RoPE in a padded tile).
 # gemma2: scaled embedding, (1 + w) sandwich norms, GELU(tanh), attention and final logit
 # softcaps, query_pre_attn_scalar, a sliding-window layer (20) under the 30-token prompt.
-FAMILIES = {"qwen3": {}, "phi3": {"sliding_window": 12}, "gemma2": {}}
+FAMILIES = {
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {"sliding_window": 12}),
+    "phi3-head24": ("phi3", {"hidden_size": 96}),
+    "gemma2": ("gemma2", {}),
+}
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
+@pytest.mark.parametrize("case", sorted(FAMILIES))
 def test_small_batch_forward_families_match_transformers_generate(
-    tiny_model, arch, one_torch_thread
+    tiny_model, case, one_torch_thread
 ):
     """Each family's batch-1 and batch-2 decodes (small_batch_rows=2) through the fused
     forward: greedy tokens equal transformers' generate of each prompt alone, float32, and so
     do the top log-probs (a final softcap or the activation can leave the argmax unchanged)."""
-    model = tiny_model(arch, **FAMILIES[arch])
+    arch, overrides = FAMILIES[case]
+    model = tiny_model(arch, **overrides)
     lengths = [5, 30, 9]
     prompts = _prompts(lengths, seed=3)
     max_new = 7
@@ -110,6 +117,8 @@ def test_small_batch_forward_families_match_transformers_generate(
     assert eng.runner.forward.small_batch_status.startswith("on ("), (
         eng.runner.forward.small_batch_status
     )
+    tables = eng.runner.forward.small_batch.cos_table is not None
+    assert tables == (case in ("phi3",))  # the one-launch norm + q/k/v + RoPE where it applies
     seen = _counting(eng)
     for batch in ([prompts[0]], [prompts[1]], prompts[1:]):  # 1 and 2 sequences
         seen.clear()

@@ -268,6 +268,8 @@ def _half_rotary_tables(model: nn.Module, max_positions: int):
         cos, sin = rotary(torch.empty(0, device=param.device, dtype=param.dtype), positions)
     cos, sin = cos[0], sin[0]
     half = cos.shape[-1] // 2
+    if half & (half - 1):  # norm_qkv_rope's head tile: head_dim 80 / 96 take rope_write_kv
+        return None, None
     if not (
         torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
     ):

@@ -99,8 +99,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if rotary is None or not is_rms_norm(getattr(base, "norm", None), plus_one):
         return "no rotary_emb or final RMSNorm"
     head_dim = _head_dim(cfg)
-    if head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of 2"
+    if head_dim % 2:
+        return f"head_dim {head_dim} is odd"
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or 2 * inv_freq.numel() != head_dim:
         return "partial rotary (RoPE over part of each head)"
