@@ -3,9 +3,9 @@ shapes (hidden, heads, head_dim, intermediate as the released models; 2 layers, 
 float32). Batch-1 and batch-2 decodes through the fused kernels must give transformers'
 generate's greedy tokens and its log-probs (top 5 of each step) to within fp32 summation order.
 
-One group, each test well under a minute on the H200 with a cold compile cache (no
-torch.compile; Gemma 2 with CUDA graphs, the others without):
-    pytest -m gpu tests/test_gpu_small_batch_families.py
+In the README's small-batch group (`pytest -m "gpu and small_batch" tests/test_gpu_*.py`); each
+test should take well under a minute on the H200 with a cold compile cache (no torch.compile;
+Gemma 2 with CUDA graphs, the others without).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hf_paged import Engine, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.small_batch,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 

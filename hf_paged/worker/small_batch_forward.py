@@ -29,9 +29,14 @@ rope/KV launch use programmatic dependent launch (see kernels/fused_gemv.py).
 
 It reads the model's own weights (nothing is copied) and its own rotary module (cos/sin for any
 rope scaling), and computes what the transformers modules compute, rounding as they round; the
-engine uses it only for models whose layers have exactly the structure above (`unsupported_reason`
-says why not otherwise) and only inside engine steps, so the model outside the engine, and every
-larger step, is transformers' forward.
+engine uses it only for the families small_batch_layers.py names, whose layers are the structure
+above with named differences (`unsupported_reason` says why not otherwise), and only inside
+engine steps, so the model outside the engine, and every larger step, is transformers' forward.
+The differences: Qwen3's per-head q/k norms inside rope_write_kv (so no one-launch
+norm_qkv_rope); Gemma 2's (1 + w) norms and GELU(tanh) gate as fused_gemv options, its sandwich
+norms as residual + norm(product) in one launch (kernels/residual_norm.py) after an un-fused
+GEMV, its embedding scale and final softcap in torch, attention softcap / window / scale passed
+to the attention kernels; Phi-3's own fused qkv_proj / gate_up_proj read as they are.
 """
 
 from __future__ import annotations
