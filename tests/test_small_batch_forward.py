@@ -33,8 +33,9 @@ def _counting(eng):
     return seen
 
 
-# llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+# llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases; the
+# families below at up to 8 rows, with the 3-token prompt through the general attention kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monkeypatch):
     from hf_paged import kernels
 
