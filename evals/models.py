@@ -103,6 +103,31 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 40960,
         "rope_theta": 1000000.0,
     },
+    "qwen3-8b": {
+        "arch": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+    },
+    # Phi-3-mini-4k: multi-head attention, head_dim 96, the checkpoint's fused qkv / gate_up
+    "phi-3-mini": {
+        "arch": "phi3",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32064,
+        "max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "rope_theta": 10000.0,
+    },
     # Gemma2Config's defaults are gemma-2-2b's: logit soft-caps 50/30, sliding window 4096
     "gemma-2-2b": {
         "arch": "gemma2",
@@ -159,6 +184,7 @@ def build_random_model(shape: str, dtype: torch.dtype, device: torch.device) -> 
         AutoModelForCausalLM,
         Gemma2Config,
         LlamaConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
@@ -171,6 +197,7 @@ def build_random_model(shape: str, dtype: torch.dtype, device: torch.device) -> 
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "gemma2": Gemma2Config,
+        "phi3": Phi3Config,
     }[arch]
     config = config_cls(
         **kwargs, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}

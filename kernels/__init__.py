@@ -22,6 +22,7 @@ from .lora import (
 )
 from .paged_attention import paged_attention, paged_attention_ref
 from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
+from .residual_norm import residual_rms_norm, residual_rms_norm_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "norm_qkv_rope_ref",
     "paged_attention",
     "paged_attention_ref",
+    "residual_rms_norm",
+    "residual_rms_norm_ref",
     "rope_write_kv",
     "rope_write_kv_ref",
     "write_kv",

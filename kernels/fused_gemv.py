@@ -8,7 +8,9 @@ kernels another ~20 us. This kernel does one GEMV with, optionally:
 
 - NORM: RMSNorm of x first (fp32 sum of squares, then as transformers' LlamaRMSNorm rounds:
   normalised x to the model dtype, times the norm weight in the model dtype);
-- GATED: SiLU(x @ w.T) * (x @ w2.T), w2 being the up projection's rows (LlamaMLP's act * up);
+  or as Gemma2RMSNorm computes it (NORM_PLUS_ONE: x * rsqrt(.) * (1 + w) in fp32, rounded once);
+- GATED: act(x @ w.T) * (x @ w2.T), w2 being the up projection's rows (LlamaMLP's act * up), act
+  SiLU or GELU with the tanh approximation (GELU_TANH: Gemma 2's gelu_pytorch_tanh);
 - HAS_BIAS, RESIDUAL (y + residual, each rounded to the model dtype as torch would);
 - GATHER: x's rows picked by an index tensor (the logits rows a step keeps);
 - PDL (Hopper): programmatic dependent launch. The kernel lets the next one be scheduled as soon
@@ -55,11 +57,18 @@ def pdl_available(device: torch.device) -> bool:
     )
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm / Qwen2RMSNorm."""
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False
+) -> torch.Tensor:
+    """transformers' LlamaRMSNorm / Qwen2RMSNorm, or with plus_one Gemma2RMSNorm."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}
 
 
 def fused_gemv_ref(
@@ -74,6 +83,8 @@ def fused_gemv_ref(
     rows: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
+    norm_plus_one: bool = False,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """What the kernel computes, as the transformers modules it replaces compute it (FP8
     weights with their block scales: as Fp8Linear's weight-only product)."""
@@ -84,10 +95,10 @@ def fused_gemv_ref(
     if rows is not None:
         x = x[rows]
     if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
+        x = rms_norm_ref(x, norm_weight, eps, norm_plus_one)
     y = F.linear(x, weight, bias)
     if up_weight is not None:
-        y = F.silu(y) * F.linear(x, up_weight)
+        y = _ACTIVATIONS[activation](y) * F.linear(x, up_weight)
     if residual is not None:
         y = residual + y
     return y
@@ -170,7 +181,9 @@ def _fused_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NORM: tl.constexpr,
+    NORM_PLUS_ONE: tl.constexpr,
     GATED: tl.constexpr,
+    GELU_TANH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     GATHER: tl.constexpr,
@@ -219,7 +232,10 @@ def _fused_gemv_kernel(
             x = x_raw.to(tl.float32)
             if NORM:
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-                x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                if NORM_PLUS_ONE:
+                    x = (x * inv_rms * (1.0 + g)).to(dt).to(tl.float32)
+                else:
+                    x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
                 if NORM_OUT:  # every program normalised the row: the first one writes it
                     if pid == 0:
                         tl.store(no_ptr + m * stride_nom + offs_k, x.to(dt), mask=k_mask)
@@ -228,7 +244,12 @@ def _fused_gemv_kernel(
                 y += bias
             if GATED:
                 gate = y.to(dt).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+                if GELU_TANH:  # tanh(u) = 1 - 2 / (exp(2u) + 1): inf-safe both ways
+                    u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                    act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+                else:
+                    act = gate / (1.0 + tl.exp(-gate))
+                act = act.to(dt).to(tl.float32)
                 y = act * tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
             if RESIDUAL:
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
@@ -337,6 +358,8 @@ def fused_gemv(
     weight_scale: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
     norm_out: torch.Tensor | None = None,
+    norm_plus_one: bool = False,
+    activation: str = "silu",
     pdl: bool = False,
     config: dict | None = None,
 ) -> torch.Tensor:
@@ -365,6 +388,8 @@ def fused_gemv(
     if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
         raise ValueError(f"rows must be a 1-d int64 tensor, got {rows.dtype} {list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     if m > MAX_ROWS:
         raise ValueError(f"fused_gemv takes at most {MAX_ROWS} rows, got {m}")
     _check("weight", weight, (n, k), w_dtype)
@@ -422,7 +447,9 @@ def fused_gemv(
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         NORM=norm_weight is not None,
+        NORM_PLUS_ONE=norm_plus_one,
         GATED=up_weight is not None,
+        GELU_TANH=activation == "gelu_tanh",
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
         GATHER=rows is not None,

@@ -52,8 +52,9 @@ def _gemv_ptx() -> str:
     types = {p: "*bf16" for p in ptrs}
     types.update(M="i32", N="i32", eps="fp32")
     types.update({s: "i32" for s in fg._fused_gemv_kernel.arg_names if s.startswith("stride")})
-    const = dict(K=2048, K_PAD=2048, BLOCK_M=1, BLOCK_N=4, NORM=True, GATED=True, HAS_BIAS=False,
-                 RESIDUAL=True, GATHER=False, PDL=True, ROWS_I32=True)  # fmt: skip
+    const = dict(K=2048, K_PAD=2048, BLOCK_M=1, BLOCK_N=4, NORM=True, NORM_PLUS_ONE=False,
+                 GATED=True, GELU_TANH=False, HAS_BIAS=False, RESIDUAL=True, GATHER=False, PDL=True,
+                 ROWS_I32=True)  # fmt: skip
     return _ptx(fg._fused_gemv_kernel, types, const, num_warps=8)
 
 

@@ -1,4 +1,5 @@
-"""kernels/fused_gemv.py and kernels/rope_kv.py under the Triton interpreter, against their torch
+"""kernels/fused_gemv.py, kernels/rope_kv.py and kernels/residual_norm.py under the Triton
+interpreter, against their torch
 references (which compute what transformers' RMSNorm / Linear / SiLU-mul / residual add /
 apply_rotary_pos_emb modules compute), and their refusals of bad inputs."""
 
@@ -39,6 +40,18 @@ OPTIONS = {
     "norm_gated": lambda t: dict(norm_weight=t["nw"], eps=1e-6, up_weight=t["w2"]),
     "bias_residual": lambda t: dict(bias=t["b"], residual=t["r"]),
     "norm_gather": lambda t: dict(norm_weight=t["nw"], eps=1e-5, rows=t["rows"]),
+    # Gemma 2: (1 + w) norm, rounded once; GELU(tanh) gate (gate values wide enough to reach
+    # tanh's flat ends)
+    "gemma_norm_gelu": lambda t: dict(
+        norm_weight=t["nw"] - 1.0,
+        eps=1e-6,
+        up_weight=t["w2"],
+        norm_plus_one=True,
+        activation="gelu_tanh",
+    ),  # fmt: skip
+    "gemma_norm_gather": lambda t: dict(
+        norm_weight=t["nw"] - 1.0, eps=1e-6, rows=t["rows"], norm_plus_one=True
+    ),
 }
 
 
@@ -115,11 +128,35 @@ def test_fused_gemv_fp8_refuses_missing_or_stray_scales():
         fused_gemv(x, w8, weight_scale=scale[:, :0])
 
 
+def test_fused_gemv_references_are_the_transformers_modules():
+    """The references the kernel is held to compute what Gemma2RMSNorm, LlamaRMSNorm and
+    gelu_pytorch_tanh compute (bf16: their rounding points differ, so the pairs must not mix)."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        t = _inputs(dtype, 3)
+        x, w = t["x"], t["w"]
+        gemma, llama = Gemma2RMSNorm(K, eps=1e-6).to(dtype), LlamaRMSNorm(K, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            gemma.weight.copy_(t["nw"] - 1.0)
+            llama.weight.copy_(t["nw"])
+            up = torch.nn.functional.linear(gemma(x), t["w2"])
+            want = ACT2FN["gelu_pytorch_tanh"](torch.nn.functional.linear(gemma(x), w)) * up
+        kw = dict(norm_weight=t["nw"] - 1.0, eps=1e-6, up_weight=t["w2"], norm_plus_one=True)
+        assert torch.equal(fused_gemv_ref(x, w, activation="gelu_tanh", **kw), want)
+        want = torch.nn.functional.linear(llama(x), w)
+        assert torch.equal(fused_gemv_ref(x, w, norm_weight=t["nw"], eps=1e-6), want)
+
+
 @pytest.mark.parametrize(
     "config",  # the GPU's narrow tiles: many programs, a partial last one (N=40 by 8)
     [dict(BLOCK_N=4, num_warps=4), dict(BLOCK_N=8, num_warps=4)],
 )
-@pytest.mark.parametrize("option", ["norm_gated", "bias_residual", "norm_gather"])
+@pytest.mark.parametrize(
+    "option", ["norm_gated", "bias_residual", "norm_gather", "gemma_norm_gelu"]
+)
 def test_fused_gemv_gpu_tile_shapes(config, option):
     t = _inputs(torch.float32, 3)
     kw = OPTIONS[option](t)
@@ -183,12 +220,15 @@ def test_fused_gemv_refuses_bad_inputs():
         fused_gemv(x, w, rows=torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="x must be contiguous"):
         fused_gemv(torch.zeros(K, 2).t(), w)
+    with pytest.raises(ValueError, match="activation must be"):
+        fused_gemv(x, w, up_weight=w, activation="relu")
 
 
+@pytest.mark.parametrize("d", [16, 24])  # 24: halves of 12 in a tile of 16 (head_dim 96's case)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_matches_reference(dtype):
+def test_rope_write_kv_matches_reference(dtype, d):
     g = torch.Generator().manual_seed(1)
-    t, hq, hkv, d = 3, 4, 2, 16
+    t, hq, hkv = 3, 4, 2
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     cos, sin = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
     caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(4)]
@@ -203,6 +243,40 @@ def test_rope_write_kv_matches_reference(dtype):
     assert written.nonzero().flatten().tolist() == [5, 9]
 
 
+@pytest.mark.parametrize("d", [16, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_with_head_norms_matches_reference(dtype, d):
+    """Qwen3's q_norm / k_norm over each head before RoPE, in the same launch; the reference is
+    Qwen3RMSNorm then apply_rotary_pos_emb."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(2)
+    t, hq, hkv = 3, 4, 2
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    angles = torch.randn(t, d // 2, generator=g)
+    cos, sin = angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
+    qn, kn = Qwen3RMSNorm(d, eps=1e-6).to(dtype), Qwen3RMSNorm(d, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(d, generator=g) + 0.5)
+        kn.weight.copy_(torch.rand(d, generator=g) + 0.5)
+    caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([5, -1, 9])
+    norms = dict(q_norm_weight=qn.weight.detach(), k_norm_weight=kn.weight.detach(), eps=1e-6)
+    q = rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, hq, **norms)
+    q_ref = rope_write_kv_ref(qkv, cos, sin, caches[2], caches[3], slots, hq, *norms.values())
+    with torch.no_grad():  # the reference is the transformers modules' computation
+        heads = qkv.view(t, -1, d)
+        q_hf, k_hf = apply_rotary_pos_emb(qn(heads[:, :hq]), kn(heads[:, hq : hq + hkv]), cos, sin)
+    assert torch.equal(q_ref, q_hf)  # [T, H, D]: cos/sin unsqueezed at dim 1 broadcast per head
+    assert torch.equal(caches[2].flatten(0, 1)[[5, 9]], k_hf[[0, 2]])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    assert torch.equal(caches[1], caches[3])
+    plain = rope_write_kv(qkv, cos, sin, caches[0].clone(), caches[1].clone(), slots, hq)
+    assert not torch.allclose(plain, q, atol=1e-2)  # the norms did something
+
+
 def test_rope_write_kv_refuses_bad_inputs():
     kc = torch.zeros(4, 4, 2, 16)
     qkv, cs = torch.zeros(3, 8 * 16), torch.zeros(3, 16)
@@ -213,9 +287,14 @@ def test_rope_write_kv_refuses_bad_inputs():
         rope_write_kv(qkv, cs[:2], cs, kc, kc.clone(), slots, 4)
     with pytest.raises(ValueError, match="slot_mapping"):
         rope_write_kv(qkv, cs, cs, kc, kc.clone(), slots.int(), 4)
-    odd = torch.zeros(4, 4, 2, 12)
-    with pytest.raises(ValueError, match="power of 2"):
-        rope_write_kv(torch.zeros(3, 8 * 12), cs[:, :12], cs[:, :12], odd, odd.clone(), slots, 4)
+    odd = torch.zeros(4, 4, 2, 13)
+    with pytest.raises(ValueError, match="even"):
+        rope_write_kv(torch.zeros(3, 8 * 13), cs[:, :13], cs[:, :13], odd, odd.clone(), slots, 4)
+    with pytest.raises(ValueError, match="come together"):
+        rope_write_kv(qkv, cs, cs, kc, kc.clone(), slots, 4, q_norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match="q_norm_weight must be"):
+        rope_write_kv(qkv, cs, cs, kc, kc.clone(), slots, 4, q_norm_weight=torch.ones(8),
+                      k_norm_weight=torch.ones(8))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -307,3 +386,39 @@ def test_norm_qkv_rope_refuses_bad_inputs():
         call(positions=pos.int())
     with pytest.raises(ValueError, match="value_cache"):
         call(value_cache=kc.double())
+
+
+@pytest.mark.parametrize("plus_one", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_rms_norm_matches_reference(plus_one, dtype):
+    """Gemma 2's sandwich norm and add (residual + Gemma2RMSNorm(x)) in one launch; the
+    reference equals the transformers module."""
+    from hf_paged.kernels import residual_rms_norm, residual_rms_norm_ref
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x, r = (torch.randn(3, K, generator=g) * 4).to(dtype), torch.randn(3, K, generator=g).to(dtype)
+    module = (Gemma2RMSNorm if plus_one else LlamaRMSNorm)(K, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(K, generator=g) * 0.5)
+        want = r + module(x)
+    w = module.weight.detach()
+    assert torch.equal(residual_rms_norm_ref(x, r, w, 1e-6, plus_one), want)
+    got = residual_rms_norm(x, r, w, 1e-6, plus_one)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-1, rtol=5e-2)
+    torch.testing.assert_close(got, want, **tol)
+    one_row = residual_rms_norm(x[1:2], r[1:2], w, 1e-6, plus_one)
+    torch.testing.assert_close(one_row, want[1:2], **tol)
+
+
+def test_residual_rms_norm_refuses_bad_inputs():
+    from hf_paged.kernels import residual_rms_norm
+
+    x, w = torch.zeros(2, K), torch.ones(K)
+    with pytest.raises(ValueError, match="one \\[R, N\\] shape"):
+        residual_rms_norm(x, x[:1], w, 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        residual_rms_norm(x, x.double(), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        residual_rms_norm(torch.zeros(K, 2).t(), x, w, 1e-6)

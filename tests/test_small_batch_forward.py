@@ -33,8 +33,9 @@ def _counting(eng):
     return seen
 
 
-# llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+# llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases; the
+# families below at up to 8 rows, with the 3-token prompt through the general attention kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monkeypatch):
     from hf_paged import kernels
 
@@ -68,6 +69,72 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monk
     # every layer of each fused decode step; not the 3-token prompt (general kernel)
     layers = model.config.num_hidden_layers
     assert set(decode_calls) == {3} and len(decode_calls) % layers == 0
+
+
+def _transformers_greedy(model, prompt: list[int], max_new_tokens: int):
+    """transformers' greedy tokens for one prompt, and each step's log-probs [steps, vocab]."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        min_new_tokens=max_new_tokens,  # as ignore_eos: no early stop on either side
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return out.sequences[0, len(prompt) :].tolist(), logprobs
+
+
+# qwen3: q/k head norms (head_dim 32 != hidden / heads). phi3: the checkpoint's fused qkv_proj
+# and gate_up_proj (MHA), and a sliding window of 12 (shorter than the prompts and outputs);
+# phi3 with head_dim 24 (Phi-3-mini's 96 in small: no rotary tables, RoPE in a padded tile).
+# gemma2: scaled embedding, (1 + w) sandwich norms, GELU(tanh), attention and final logit
+# softcaps, query_pre_attn_scalar, a sliding-window layer (20) under the 30-token prompt.
+FAMILIES = {
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {"sliding_window": 12}),
+    "phi3-head24": ("phi3", {"hidden_size": 96}),
+    "gemma2": ("gemma2", {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAMILIES))
+def test_small_batch_forward_families_match_transformers_generate(
+    tiny_model, case, one_torch_thread
+):
+    """Each family's batch-1 and batch-2 decodes (small_batch_rows=2) through the fused
+    forward: greedy tokens equal transformers' generate of each prompt alone, float32, and so
+    do the top log-probs (a final softcap or the activation can leave the argmax unchanged)."""
+    arch, overrides = FAMILIES[case]
+    model = tiny_model(arch, **overrides)
+    lengths = [5, 30, 9]
+    prompts = _prompts(lengths, seed=3)
+    max_new = 7
+    want = [_transformers_greedy(model, p, max_new) for p in prompts]
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, logprobs=3)
+    eng = Engine(model, small_batch_rows=2, **ENGINE)
+    assert eng.runner.forward.small_batch_status.startswith("on ("), (
+        eng.runner.forward.small_batch_status
+    )
+    tables = eng.runner.forward.small_batch.cos_table is not None
+    assert tables == (case in ("phi3",))  # the one-launch norm + q/k/v + RoPE where it applies
+    seen = _counting(eng)
+    for batch in ([prompts[0]], [prompts[1]], prompts[1:]):  # 1 and 2 sequences
+        seen.clear()
+        outs = eng.generate(batch, params)
+        for out, prompt in zip(outs, batch):
+            tokens, logprobs = want[prompts.index(prompt)]
+            assert out.output_token_ids == tokens
+            for step, top in enumerate(out.logprobs):
+                assert len(top) >= 3
+                for tok, lp in top.items():
+                    assert lp == pytest.approx(logprobs[step, tok].item(), abs=1e-4)
+        # every decode step ran fused: max_new - 1 of them, each of len(batch) rows
+        assert seen == [len(batch)] * (max_new - 1)
+    eng.check_invariants()
+    eng.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -109,21 +176,23 @@ def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
 
 
 @pytest.mark.parametrize(
-    "arch,options",
+    "arch,overrides,options,reason",
     [
-        ("gpt_neox", {}),  # parallel residual, partial rotary
-        ("qwen3", {}),  # q/k norms
-        ("gemma2", {}),  # scaled embedding, (1 + w) norms, softcaps
-        ("llama", {"fuse_projections": False}),  # needs the fused q/k/v and gate/up weights
-        ("llama", {"attention_backend": "torch"}),  # needs the Triton attention kernels
+        ("gpt_neox", {}, {}, "model_type"),  # parallel residual, partial rotary
+        ("olmo2", {}, {}, "model_type"),  # norms after attention, q/k norms over all heads
+        ("phi3", {"partial_rotary_factor": 0.5}, {}, "partial rotary"),  # half of each head
+        ("gemma2", {"hidden_activation": "gelu"}, {}, "activation 'gelu'"),  # exact erf GELU
+        ("llama", {}, {"fuse_projections": False}, "not fused"),  # needs fused q/k/v, gate/up
+        ("llama", {}, {"attention_backend": "torch"}, "backend"),  # needs the Triton kernels
     ],
 )
-def test_unsupported_models_run_transformers_forward(tiny_model, arch, options):
-    model = tiny_model(arch)
+def test_unsupported_models_run_transformers_forward(tiny_model, arch, overrides, options, reason):
+    model = tiny_model(arch, **overrides)
     opts = {**ENGINE, **options}
     eng = Engine(model, **opts)
     assert eng.runner.forward.small_batch is None
-    assert eng.runner.forward.small_batch_status.startswith("off (")  # with the reason
+    status = eng.runner.forward.small_batch_status
+    assert status.startswith("off (") and reason in status  # with the reason
     prompts, params = _prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0)
     got = [o.output_token_ids for o in eng.generate(prompts, params)]
     eng.shutdown()
@@ -215,3 +284,39 @@ def test_lora_adapters_in_the_small_batch_forward(peft_model, tables, monkeypatc
 
 def _plain(p: SamplingParams) -> dict:
     return dict(max_tokens=p.max_tokens, temperature=0, ignore_eos=True, logprobs=p.logprobs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_lora_adapters_on_families_in_the_small_batch_forward(tiny_model, lora_b, arch):
+    """LoRA on every projection of Qwen3 (deltas before the head norms) and Gemma 2 (o/down
+    deltas before the sandwich norms, gate/up before GELU): each row's tokens and log-probs as
+    the transformers forward's with the LoRA layers."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(
+        tiny_model(arch), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets), "a"
+    )
+    model.add_adapter("b", peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets[3:]))
+    torch.manual_seed(7)
+    lora_b(model)
+    model.eval()
+    prompts = _prompts([3, 12, 9], seed=6)
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2, adapter=n)
+        for n in ("a", "b", None)
+    ]
+    plain = Engine(model, small_batch_rows=0, **ENGINE)
+    want = plain.generate(prompts, params)
+    plain.shutdown()
+    eng = Engine(model, small_batch_rows=8, **ENGINE)
+    assert eng.runner.forward.small_batch is not None
+    seen = _counting(eng)
+    got = eng.generate(prompts, params)
+    assert 3 in seen  # the 3-row decode steps ran fused, with both adapters in them
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    for a, b in zip(got, want):
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            for tok in da:
+                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    eng.shutdown()

@@ -33,110 +33,32 @@ rope/KV launch use programmatic dependent launch (see kernels/fused_gemv.py).
 
 It reads the model's own weights (nothing is copied) and its own rotary module (cos/sin for any
 rope scaling), and computes what the transformers modules compute, rounding as they round; the
-engine uses it only for models whose layers have exactly the structure above (`unsupported_reason`
-says why not otherwise) and only inside engine steps, so the model outside the engine, and every
-larger step, is transformers' forward.
+engine uses it only for the families small_batch_layers.py names, whose layers are the structure
+above with named differences (`unsupported_reason` says why not otherwise), and only inside
+engine steps, so the model outside the engine, and every larger step, is transformers' forward.
+The differences: Qwen3's per-head q/k norms inside rope_write_kv (so no one-launch
+norm_qkv_rope); Gemma 2's (1 + w) norms and GELU(tanh) gate as fused_gemv options, its sandwich
+norms as residual + norm(product) in one launch (kernels/residual_norm.py) after an un-fused
+GEMV, its embedding scale and final softcap in torch, attention softcap / window / scale passed
+to the attention kernels; Phi-3's own fused qkv_proj / gate_up_proj read as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from hf_paged.worker.compilation import decoder_layers
 from hf_paged.worker.forward_context import PendingTokens, get_forward_context
+from hf_paged.worker.small_batch_layers import (
+    Layer,
+    activation,
+    build_layers,
+    norm_eps,
+    transformers_model,
+    unsupported_reason,
+)
 
-# Decoder layers that are pre-norm RMSNorm -> attention (rotate_half RoPE) -> residual ->
-# RMSNorm -> SiLU-gated MLP -> residual, with the embedding unscaled and no logit softcap.
-_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-
-def _transformers_model(model: nn.Module) -> nn.Module:
-    """A PeftModel's transformers model (its LoRA layers stay in place), else the model."""
-    get = getattr(model, "get_base_model", None)
-    return get() if hasattr(model, "peft_config") and get is not None else model
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """None if SmallBatchForward can run this model, else why not (fused q/k/v and gate/up
-    projections are required: Engine(fuse_projections=True), the default)."""
-    from hf_paged.integrations.fused_projections import ProjectionSlice, lora_base
-
-    model = _transformers_model(model)
-    cfg = model.config.get_text_config()
-    if cfg.model_type not in _ARCHITECTURES:
-        return f"model_type {cfg.model_type!r} is not one of {_ARCHITECTURES}"
-    if getattr(cfg, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} is not 'silu'"
-    try:
-        layers = decoder_layers(model)
-    except ValueError as exc:
-        return str(exc)
-    base = getattr(model, "model", None)
-    lm_head = getattr(model, "lm_head", None)
-    if base is None or type(lm_head) is not nn.Linear or lm_head.bias is not None:
-        return "no base model, or lm_head is not a plain bias-free nn.Linear"
-    if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
-        return "embed_tokens is not an nn.Embedding"
-    if base.embed_tokens.weight.stride(-1) != 1:  # kernels/embedding.py reads whole rows
-        return "embed_tokens.weight rows are not contiguous"
-    if getattr(base, "rotary_emb", None) is None or not _is_rms_norm(getattr(base, "norm", None)):
-        return "no rotary_emb or final RMSNorm"
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of 2"
-    from hf_paged.kernels.fused_gemv import tile_config
-
-    for k, gated in ((cfg.hidden_size, True), (cfg.intermediate_size, False)):
-        if tile_config(k, gated) is None:
-            return f"in_features {k}: a GEMV weight row does not fit in registers"
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None:
-            return "a decoder layer without self_attn / mlp"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(_is_rms_norm(n) for n in norms):
-            return "a decoder layer whose norms are not RMSNorm"
-        parts = [lora_base(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")]
-        parts += [lora_base(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj")]
-        if not all(isinstance(p, ProjectionSlice) for p in parts):
-            return "q/k/v or gate/up not fused (fuse_projections=False or quantised layers)"
-        if parts[3].fused.bias is not None:
-            return "gate/up projections with bias"
-        for lin in (lora_base(attn.o_proj), lora_base(mlp.down_proj)):
-            if type(lin) is not nn.Linear and type(lin).__name__ != "Fp8Linear":
-                return f"{type(lin).__name__} o_proj/down_proj (quantised)"
-    return None
-
-
-def _is_rms_norm(module) -> bool:
-    return (
-        module is not None
-        and type(module).__name__.endswith("RMSNorm")
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
-        and hasattr(module, "variance_epsilon")
-    )
-
-
-@dataclass(slots=True)
-class _Layer:
-    """One decoder layer's modules, as the kernels take them. Modules, not tensors: weights are
-    read at each call, so weights loaded into the model in place are the ones used."""
-
-    index: int  # its KV cache in the forward context
-    attn: nn.Module  # the modules holding the projections: LoRA layers are looked up per call
-    mlp: nn.Module
-    in_norm: nn.Module  # RMSNorm before attention
-    qkv: nn.Module  # FusedProjection: [q | k | v] rows (+ bias for Qwen2)
-    o: nn.Linear
-    scale: float
-    window: int | None  # sliding window, as the transformers attention module passes it
-    post_norm: nn.Module  # RMSNorm before the MLP
-    gate_up: nn.Module  # FusedProjection: [gate | up] rows
-    gate_rows: int
-    down: nn.Linear
+__all__ = ["SmallBatchForward", "unsupported_reason"]
 
 
 class SmallBatchForward:
@@ -151,46 +73,103 @@ class SmallBatchForward:
         max_positions: int | None = None,
     ) -> None:
         from hf_paged import kernels
-        from hf_paged.integrations.fused_projections import lora_base
 
         self.kernels = kernels
         self.lora = hasattr(model, "peft_config")  # LoRA deltas looked for at each call
-        model = _transformers_model(model)
+        model = transformers_model(model)
         cfg = model.config.get_text_config()
         self.max_rows = max_rows
         self.pdl = pdl
         self.base = model.model
         self.lm_head = model.lm_head
         self.num_q_heads = cfg.num_attention_heads
-        self.layers = []
+        self.layers = build_layers(model)
+        gemma = cfg.model_type == "gemma2"
+        self.norm_plus_one = gemma  # Gemma2RMSNorm: x * (1 + w), rounded once
+        self.activation = activation(cfg)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if gemma else None
         self.cos_table = self.sin_table = None
-        if max_positions:
+        # the one-launch norm + q/k/v + RoPE computes LlamaRMSNorm and no head norms
+        one_launch = not gemma and all(layer.q_norm is None for layer in self.layers)
+        if max_positions and one_launch:
             self.cos_table, self.sin_table = _half_rotary_tables(model, max_positions)
-        for layer in decoder_layers(model):
-            attn, mlp = layer.self_attn, layer.mlp
-            window = getattr(attn, "sliding_window", None)
-            if window is None and cfg.model_type == "mistral":  # passed from the config there
-                window = getattr(cfg, "sliding_window", None)
-            self.layers.append(
-                _Layer(
-                    index=attn.layer_idx,
-                    attn=attn,
-                    mlp=mlp,
-                    in_norm=layer.input_layernorm,
-                    qkv=lora_base(attn.q_proj).fused,
-                    o=lora_base(attn.o_proj),
-                    scale=float(attn.scaling),
-                    window=int(window) if window else None,
-                    post_norm=layer.post_attention_layernorm,
-                    gate_up=lora_base(mlp.gate_proj).fused,
-                    gate_rows=lora_base(mlp.gate_proj).fused.sizes[0],
-                    down=lora_base(mlp.down_proj),
-                )
-            )
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.base.rotary_emb(h[None], positions[None])
         return cos[0], sin[0]
+
+    def _embed(self, input_ids: torch.Tensor | PendingTokens) -> torch.Tensor:
+        k, pdl = self.kernels, self.pdl
+        embed = self.base.embed_tokens
+        if isinstance(input_ids, PendingTokens):  # tokens the step before sampled: resolved here
+            t = input_ids
+            h = k.embed_tokens(embed.weight, t.input_ids, t.pending, t.rows, t.last_tokens, pdl=pdl)
+        else:
+            h = k.embed_tokens(embed.weight, input_ids, pdl=pdl)  # [T, hidden]
+        scale = getattr(embed, "embed_scale", None)
+        if scale is not None:  # Gemma2TextScaledWordEmbedding: the scale in the model dtype
+            h = h * scale.to(embed.weight.dtype)
+        return h
+
+    def _norm_gemv(self, x: torch.Tensor, weight: torch.Tensor, norm: nn.Module, **kw):
+        return self.kernels.fused_gemv(
+            x,
+            weight,
+            norm_weight=norm.weight,
+            eps=norm_eps(norm),
+            norm_plus_one=self.norm_plus_one,
+            pdl=self.pdl,
+            **kw,
+        )
+
+    def _qkv_rope(self, layer: Layer, h, positions, cos, sin, lora, key_cache, value_cache):
+        """Rotated queries [T, Hq, D]; rotated keys and values written to the cache."""
+        k, ctx = self.kernels, get_forward_context()
+        slots = ctx.attn_metadata.slot_mapping
+        qkv_lora = lora is not None and any(lora[n] for n in ("q_proj", "k_proj", "v_proj"))
+        norm = layer.in_norm
+        if self.cos_table is not None and not qkv_lora:  # norm + q/k/v + RoPE + KV write
+            return k.norm_qkv_rope(
+                h,
+                layer.qkv.weight,
+                layer.qkv.bias,
+                norm.weight,
+                norm_eps(norm),
+                positions,
+                self.cos_table,
+                self.sin_table,
+                key_cache,
+                value_cache,
+                slots,
+                self.num_q_heads,
+                weight_scale=_scales(layer.qkv),
+                pdl=self.pdl,
+            )
+        normed = torch.empty_like(h) if qkv_lora else None  # the deltas' input, from the GEMV
+        qkv = self._norm_gemv(
+            h,
+            layer.qkv.weight,
+            norm,
+            bias=layer.qkv.bias,
+            weight_scale=_scales(layer.qkv),
+            norm_out=normed,
+        )
+        if qkv_lora:  # the deltas before the head norms, RoPE and the KV write
+            names = ("q_proj", "k_proj", "v_proj")
+            _add_deltas(qkv, normed, [lora[n] for n in names], layer.qkv.sizes)
+        if cos is None:
+            cos, sin = self._cos_sin(h, positions)
+        head_norms = {}
+        if layer.q_norm is not None:
+            head_norms = dict(
+                q_norm_weight=layer.q_norm.weight,
+                k_norm_weight=layer.k_norm.weight,
+                eps=norm_eps(layer.q_norm),
+            )
+        return k.rope_write_kv(
+            qkv, cos, sin, key_cache, value_cache, slots, self.num_q_heads, pdl=self.pdl,
+            **head_norms,
+        )  # fmt: skip
 
     def __call__(
         self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor, keep: torch.Tensor
@@ -199,125 +178,66 @@ class SmallBatchForward:
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         pdl = self.pdl
-        table = self.base.embed_tokens.weight
-        if isinstance(input_ids, PendingTokens):  # tokens the step before sampled: resolved here
-            t = input_ids
-            h = k.embed_tokens(table, t.input_ids, t.pending, t.rows, t.last_tokens, pdl=pdl)
-        else:
-            h = k.embed_tokens(table, input_ids, pdl=pdl)  # [T, hidden]
-        tables = self.cos_table is not None
+        h = self._embed(input_ids)
         cos = sin = None
-        if not tables:  # per step, from the model's rotary module
+        if self.cos_table is None:  # per step, from the model's rotary module
             cos, sin = self._cos_sin(h, positions)
         t = h.shape[0]
         decode = meta.max_query_len == 1 and t == meta.num_seqs
         for layer in self.layers:
             lora = _lora_wrappers(layer) if self.lora else None
-            norm = layer.in_norm
             key_cache, value_cache = ctx.kv_caches[layer.index]
-            qkv_lora = lora is not None and any(lora[n] for n in ("q_proj", "k_proj", "v_proj"))
-            if tables and not qkv_lora:  # norm + q/k/v + RoPE + KV write: one launch
-                q = k.norm_qkv_rope(
-                    h,
-                    layer.qkv.weight,
-                    layer.qkv.bias,
-                    norm.weight,
-                    norm.variance_epsilon,
-                    positions,
-                    self.cos_table,
-                    self.sin_table,
-                    key_cache,
-                    value_cache,
-                    meta.slot_mapping,
-                    self.num_q_heads,
-                    weight_scale=_scales(layer.qkv),
-                    pdl=pdl,
-                )
-            else:
-                normed = torch.empty_like(h) if qkv_lora else None  # the deltas' input
-                qkv = k.fused_gemv(
-                    h,
-                    layer.qkv.weight,
-                    norm_weight=norm.weight,
-                    eps=norm.variance_epsilon,
-                    bias=layer.qkv.bias,
-                    weight_scale=_scales(layer.qkv),
-                    norm_out=normed,
-                    pdl=pdl,
-                )
-                if qkv_lora:  # the deltas before RoPE and the KV write
-                    names = ("q_proj", "k_proj", "v_proj")
-                    _add_deltas(qkv, normed, [lora[n] for n in names], layer.qkv.sizes)
-                    if cos is None:
-                        cos, sin = self._cos_sin(h, positions)
-                q = k.rope_write_kv(
-                    qkv,
-                    cos,
-                    sin,
-                    key_cache,
-                    value_cache,
-                    meta.slot_mapping,
-                    self.num_q_heads,
-                    pdl=pdl,
-                )
+            q = self._qkv_rope(layer, h, positions, cos, sin, lora, key_cache, value_cache)
+            args = (key_cache, value_cache, meta, layer.scale, layer.window, layer.softcap)
             if decode:  # every sequence one new token: read the old K/V before the PDL wait
-                attn = k.decode_attention(
-                    q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
-                )
+                attn = k.decode_attention(q, *args, pdl=pdl)
             else:
-                attn = ctx.backend.paged_attention(
-                    q, key_cache, value_cache, meta, layer.scale, layer.window, None, pdl=pdl
-                )
-            o, attn = layer.o, attn.view(t, -1)
-            h = k.fused_gemv(
-                attn, o.weight, bias=o.bias, residual=h, weight_scale=_scales(o), pdl=pdl
-            )
-            if lora is not None:
-                _add_deltas(h, attn, [lora["o_proj"]])
-            norm, gate_up, rows = layer.post_norm, layer.gate_up.weight, layer.gate_rows
-            gu_scale = _scales(layer.gate_up)
+                attn = ctx.backend.paged_attention(q, *args, pdl=pdl)
+            wrapper = lora["o_proj"] if lora is not None else None
+            h = self._residual_gemv(attn.view(t, -1), layer.o, h, layer.attn_out_norm, wrapper)
+            norm, gate_up, rows = layer.mlp_norm, layer.gate_up.weight, layer.gate_rows
+            scale = _scales(layer.gate_up)
             if lora is None or not (lora["gate_proj"] or lora["up_proj"]):
-                act = k.fused_gemv(
+                act = self._norm_gemv(
                     h,
                     gate_up[:rows],
+                    norm,
                     up_weight=gate_up[rows:],
-                    norm_weight=norm.weight,
-                    eps=norm.variance_epsilon,
-                    weight_scale=None if gu_scale is None else gu_scale[:rows],
-                    up_scale=None if gu_scale is None else gu_scale[rows:],
-                    pdl=pdl,
+                    activation=self.activation,
+                    weight_scale=None if scale is None else scale[:rows],
+                    up_scale=None if scale is None else scale[rows:],
                 )
             else:  # the deltas before the activation: the ungated GEMV, then act(gate) * up
                 normed = torch.empty_like(h)
-                gu = k.fused_gemv(
-                    h, gate_up, norm_weight=norm.weight, eps=norm.variance_epsilon,
-                    weight_scale=gu_scale, norm_out=normed,
-                )  # fmt: skip
+                gu = self._norm_gemv(h, gate_up, norm, weight_scale=scale, norm_out=normed)
                 wrappers = [lora["gate_proj"], lora["up_proj"]]
                 _add_deltas(gu, normed, wrappers, layer.gate_up.sizes)
                 act = layer.mlp.act_fn(gu[:, :rows]) * gu[:, rows:]
-            down = layer.down
-            h_in, h = (
-                act,
-                k.fused_gemv(
-                    act,
-                    down.weight,
-                    bias=down.bias,
-                    residual=h,
-                    weight_scale=_scales(down),
-                    pdl=pdl,
-                ),
-            )
-            if lora is not None:
-                _add_deltas(h, h_in, [lora["down_proj"]])
-        norm = self.base.norm
-        return k.fused_gemv(
-            h,
-            self.lm_head.weight,
-            norm_weight=norm.weight,
-            eps=norm.variance_epsilon,
-            rows=keep,
-            pdl=pdl,
+            wrapper = lora["down_proj"] if lora is not None else None
+            h = self._residual_gemv(act, layer.down, h, layer.mlp_out_norm, wrapper)
+        logits = self._norm_gemv(h, self.lm_head.weight, self.base.norm, rows=keep)
+        if self.final_softcap:  # as Gemma2ForCausalLM: divide, tanh, multiply
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _residual_gemv(self, x, linear: nn.Linear, residual, out_norm, wrapper):
+        """residual + x @ W.T (+ b), or with out_norm (Gemma 2's sandwich norms) residual +
+        out_norm(x @ W.T); wrapper: the LoRA layer around the linear, its delta added to the
+        product (before out_norm)."""
+        k, scale = self.kernels, _scales(linear)
+        if out_norm is None:
+            h = k.fused_gemv(
+                x, linear.weight, bias=linear.bias, residual=residual, weight_scale=scale,
+                pdl=self.pdl,
+            )  # fmt: skip
+            if wrapper is not None:
+                _add_deltas(h, x, [wrapper])
+            return h
+        y = k.fused_gemv(x, linear.weight, bias=linear.bias, weight_scale=scale, pdl=self.pdl)
+        if wrapper is not None:
+            _add_deltas(y, x, [wrapper])
+        return k.residual_rms_norm(
+            y, residual, out_norm.weight, norm_eps(out_norm), self.norm_plus_one, pdl=self.pdl
         )
 
 
@@ -327,7 +247,7 @@ def _scales(module: nn.Module) -> torch.Tensor | None:
     return module._buffers.get("weight_scale")
 
 
-def _lora_wrappers(layer: _Layer) -> dict | None:
+def _lora_wrappers(layer: Layer) -> dict | None:
     """The layer's peft LoRA layers whose deltas apply in engine steps (routed: they hold the
     slot buffers), by projection name; None when there are none. Looked up per call: peft may
     wrap a projection for an adapter loaded while the engine runs."""
@@ -383,6 +303,8 @@ def _half_rotary_tables(model: nn.Module, max_positions: int):
         cos, sin = rotary(torch.empty(0, device=param.device, dtype=param.dtype), positions)
     cos, sin = cos[0], sin[0]
     half = cos.shape[-1] // 2
+    if half & (half - 1):  # norm_qkv_rope's head tile: head_dim 80 / 96 take rope_write_kv
+        return None, None
     if not (
         torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
     ):
