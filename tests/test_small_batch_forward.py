@@ -17,6 +17,15 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+def _assert_same_logprobs(got, want) -> None:
+    """The logits agree, not only their argmax: each step's top log-probs, to 1e-4."""
+    for a, b in zip(got, want):
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            for tok in da:
+                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+
+
 def _counting(eng):
     """Count the forwards the small-batch path runs (and the rows it sees)."""
     fast = eng.runner.forward.small_batch
@@ -60,11 +69,7 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monk
     got = eng.generate(prompts, params)
     eng.check_invariants()
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
-    for a, b in zip(got, want):  # log-probs: the logits agree, not only their argmax
-        for da, db in zip(a.logprobs, b.logprobs):
-            assert da.keys() == db.keys()
-            for tok in da:
-                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    _assert_same_logprobs(got, want)
     assert 3 in seen and max(seen) <= 8  # the 3-row decodes (and the 3-token prompt) ran fused
     # every layer of each fused decode step; not the 3-token prompt (general kernel)
     layers = model.config.num_hidden_layers
@@ -274,11 +279,7 @@ def test_lora_adapters_in_the_small_batch_forward(peft_model, tables, monkeypatc
     eng.check_invariants()
     assert 4 in seen  # the 4-row decode steps ran fused, with every adapter in them
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
-    for a, b in zip(got, want):
-        for da, db in zip(a.logprobs, b.logprobs):
-            assert da.keys() == db.keys()
-            for tok in da:
-                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    _assert_same_logprobs(got, want)
     eng.shutdown()
 
 
@@ -314,9 +315,5 @@ def test_lora_adapters_on_families_in_the_small_batch_forward(tiny_model, lora_b
     got = eng.generate(prompts, params)
     assert 3 in seen  # the 3-row decode steps ran fused, with both adapters in them
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
-    for a, b in zip(got, want):
-        for da, db in zip(a.logprobs, b.logprobs):
-            assert da.keys() == db.keys()
-            for tok in da:
-                assert da[tok] == pytest.approx(db[tok], abs=1e-4)
+    _assert_same_logprobs(got, want)
     eng.shutdown()
