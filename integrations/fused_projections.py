@@ -10,8 +10,8 @@ so the result is always that of the original layers; only the number of matmuls 
 One launch instead of three (or two) per layer matters where those launches are short: decode at
 small batch, where the k/v projections of a GQA model move only a few MB each.
 
-Only plain `nn.Linear` groups with one input size, dtype and device are fused; quantised layers
-(bitsandbytes) are left as they are. A peft LoRA layer counts by its base layer: the base layer is
+Only plain `nn.Linear` groups (or FP8 layers an earlier engine quantised) with one input size,
+dtype and device are fused; other quantised layers (bitsandbytes) are left as they are. A peft LoRA layer counts by its base layer: the base layer is
 fused and the LoRA layer keeps wrapping it (it adds its delta to the slice). A slice is an
 nn.Linear to peft, so an adapter loaded later may target it. `unfuse_projections` puts the
 original layout back (weights become views into the fused matrix: no extra memory).
@@ -47,6 +47,11 @@ class FusedProjection(nn.Module):
                 if biases[0] is not None
                 else None
             )
+            scales = [layer._buffers.get("weight_scale") for layer in linears]
+            if scales[0] is not None:  # FP8 layers an earlier engine quantised: fused as they are
+                from hf_paged.quantization.fp8_weights import _outer_major
+
+                self.register_buffer("weight_scale", _outer_major(torch.cat(scales)))
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] | None = None
 
@@ -144,8 +149,12 @@ def lora_base(layer):
 
 
 def _fusable(layers: list) -> bool:
+    from hf_paged.quantization.fp8_weights import Fp8Linear
+
     layers = [lora_base(layer) for layer in layers]
-    if not all(type(layer) is nn.Linear for layer in layers):
+    kinds = {type(layer) for layer in layers}
+    # plain linears, or the FP8 layers an earlier engine left (quantization="fp8")
+    if len(kinds) != 1 or not kinds <= {nn.Linear, Fp8Linear}:
         return False
     first = layers[0]
     return all(

@@ -404,3 +404,24 @@ def test_activation_quantisation_kernel_real_shapes_gpu(rows, k):
     torch.testing.assert_close(s, s_ref, atol=0, rtol=1e-6)
     same = (q.float() == q_ref.float()).float().mean().item()
     assert same > 0.999, same  # round to nearest on both sides; a division's last bit aside
+
+
+def test_a_second_engine_fuses_the_fp8_layers_again(tiny_model):
+    # the first engine leaves FP8 layers behind (quantised while fused, unfused at shutdown); a
+    # second engine fuses them again with their scales, and its small-batch forward runs on them
+    model = tiny_model("llama")
+    opts = dict(quantization="fp8", attention_backend="triton", async_scheduling=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 20)]
+    params = hf_paged.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = hf_paged.Engine(model, small_batch_rows=2, **opts)
+        try:
+            assert engine.num_fused_projections > 0
+            assert engine.runner.forward.small_batch is not None
+            outs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        finally:
+            engine.shutdown()
+        assert all(type(m) is not nn.Linear for m in model.model.layers.modules())
+    assert outs[0] == outs[1]
