@@ -33,7 +33,7 @@ RUNS = ("cold", "warm")
 
 
 def add_parser(sub, common) -> None:
-    from hf_paged.entrypoints.serve import _engine_option
+    from hf_paged.entrypoints.serve import add_engine_option
 
     p = sub.add_parser(
         "startup", help="Engine start-up by phase, cold and warm compile caches; first TTFT"
@@ -45,14 +45,7 @@ def add_parser(sub, common) -> None:
         default=None,
         help="the compile-cache folder, empty or absent (kept after); default a temporary one",
     )
-    p.add_argument(
-        "--engine-option",
-        action="append",
-        type=_engine_option,
-        default=[],
-        metavar="KEY=VALUE",
-        help="any Engine option, as `hf-paged serve` takes it; repeatable",
-    )
+    add_engine_option(p, "any Engine option, as `hf-paged serve` takes it; repeatable")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for each process")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement
     p.set_defaults(run=cmd_startup)

@@ -63,13 +63,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The Engine's options (model_engine_options()): shared by serve and warmup."""
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch")
     p.add_argument("--max-model-len", type=int, default=None)
+    add_engine_option(p)
+
+
+def add_engine_option(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """--engine-option KEY=VALUE (repeatable): any Engine option, parsed as Python literals."""
     p.add_argument(
         "--engine-option",
         action="append",
         type=_engine_option,
         default=[],
         metavar="KEY=VALUE",
-        help="any Engine option (hf_paged.config.EngineConfig), e.g. num_blocks=4096, "
+        help=help
+        or "any Engine option (hf_paged.config.EngineConfig), e.g. num_blocks=4096, "
         "compile=False; repeatable",
     )
 
