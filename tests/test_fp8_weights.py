@@ -218,21 +218,30 @@ def test_start_up_check_runs_fp8_products_weight_only(tiny_model, monkeypatch):
 
     x = torch.randn(20, 256)
     w8, scale = quantize_weight(torch.randn(64, 256))
+    import threading
+
+    seen_elsewhere = []
     with fp8_weights.weight_only():
         got = torch.ops.hf_paged.fp8_scaled_mm(x, w8, scale, None)
+        other = threading.Thread(
+            target=lambda: seen_elsewhere.append(fp8_weights.weight_only_held())
+        )
+        other.start()
+        other.join()
     assert torch.equal(got, fp8_gemv_ref(x, w8, scale))
-    assert not fp8_weights._WEIGHT_ONLY[0]
+    assert seen_elsewhere == [False]  # engines stepping in other threads keep their products
+    assert not fp8_weights.weight_only_held()
     held = []
     real_ref, real_paged = verify._reference_logits, verify._paged_logits
     monkeypatch.setattr(
         verify,
         "_reference_logits",
-        lambda *a: held.append(fp8_weights._WEIGHT_ONLY[0]) or real_ref(*a),
+        lambda *a: held.append(fp8_weights.weight_only_held()) or real_ref(*a),
     )
     monkeypatch.setattr(
         verify,
         "_paged_logits",
-        lambda *a: held.append(fp8_weights._WEIGHT_ONLY[0]) or real_paged(*a),
+        lambda *a: held.append(fp8_weights.weight_only_held()) or real_paged(*a),
     )
     engine = hf_paged.Engine(tiny_model("llama"), quantization="fp8")
     engine.shutdown()

@@ -22,6 +22,7 @@ After the engine the model keeps its FP8 layers: the original weights are gone.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import nn
@@ -89,20 +90,28 @@ def _blockwise_scaled_mm(x, weight, scale, bias):
     return out if bias is None else out + bias
 
 
-_WEIGHT_ONLY = [False]  # set by weight_only(): the start-up check's forwards
+# set by weight_only() for the thread that runs the start-up check (engines of other threads
+# keep stepping as usual meanwhile)
+_WEIGHT_ONLY = threading.local()
+
+
+def weight_only_held() -> bool:
+    return getattr(_WEIGHT_ONLY, "held", False)
 
 
 @contextlib.contextmanager
 def weight_only():
-    """Every FP8 product weight-only while it is held: the start-up check (engine/verify.py)
-    compares the paged forward with transformers' own on prompts whose row counts put them on
-    different sides of MAX_ROWS (one flat batch against each prompt alone), so activation
-    rounding would differ between the two for reasons that are not the attention's."""
-    _WEIGHT_ONLY[0] = True
+    """Every FP8 product of this thread weight-only while it is held: the start-up check
+    (engine/verify.py) compares the paged forward with transformers' own on prompts whose row
+    counts put them on different sides of MAX_ROWS (one flat batch against each prompt alone),
+    so activation rounding would differ between the two for reasons that are not the
+    attention's."""
+    before = weight_only_held()
+    _WEIGHT_ONLY.held = True
     try:
         yield
     finally:
-        _WEIGHT_ONLY[0] = False
+        _WEIGHT_ONLY.held = before
 
 
 def fp8_linear(x, weight, scale, bias=None):
@@ -144,7 +153,7 @@ def _fp8_scaled_mm_op(
     # dynamic row counts crashed inductor's tiling analysis on the H200 (torch 2.11: an
     # AssertionError in get_pw_red_splits while compiling a Llama-3-8B decoder layer). Being
     # opaque, it also reads weight_only() when it runs, not when it was traced.
-    if _WEIGHT_ONLY[0]:
+    if weight_only_held():
         from hf_paged.kernels.fp8_gemv import fp8_gemv_ref
 
         return fp8_gemv_ref(x, weight, scale, bias)
