@@ -11,9 +11,10 @@ One launch instead of three (or two) per layer matters where those launches are 
 small batch, where the k/v projections of a GQA model move only a few MB each.
 
 Only plain `nn.Linear` groups (or FP8 layers an earlier engine quantised) with one input size,
-dtype and device are fused; other quantised layers (bitsandbytes) are left as they are. A peft LoRA layer counts by its base layer: the base layer is
-fused and the LoRA layer keeps wrapping it (it adds its delta to the slice). A slice is an
-nn.Linear to peft, so an adapter loaded later may target it. `unfuse_projections` puts the
+dtype and device are fused; other quantised layers (bitsandbytes) are left as they are. A peft
+LoRA layer counts by its base layer: the base layer is fused and the LoRA layer keeps wrapping
+it (it adds its delta to the slice). A slice is an nn.Linear to peft, so an adapter loaded
+later may target it. `unfuse_projections` puts the
 original layout back (weights become views into the fused matrix: no extra memory).
 
 While fused, `state_dict()` still has the original names (`...q_proj.weight`, not the fused

@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_gemv import SCALE_BLOCK as BLOCK  # the weights' blocks: one scale per 128 columns
+from .kv_write import FP8_MAX as _FP8_LIMITS
 from .kv_write import check_launchable
 
-FP8_MAX = 448.0
-BLOCK = 128
+FP8_MAX = _FP8_LIMITS[torch.float8_e4m3fn]  # its largest finite value, 448
 MIN_SCALE = 1e-12
 
 

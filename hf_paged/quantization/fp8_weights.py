@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from hf_paged.kernels.fp8_gemv import SCALE_BLOCK  # input columns per weight scale
+from hf_paged.kernels.fp8_quant import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 QUANTIZATION_METHODS = ("fp8",)
 
 

@@ -15,8 +15,10 @@ computes what transformers' modules compute:
   normalised before the residual add); GELU(tanh) gate; attention logits soft-capped and scaled
   by query_pre_attn_scalar; alternating sliding-window layers; final logits soft-capped.
 
-Anything else (partial rotary, a PeftModel on phi3's fused projections, quantised layers) is
-refused by unsupported_reason, and the model runs transformers' forward.
+FP8 layers (quantization="fp8") are taken as they are: the GEMVs dequantise their blocks. Anything
+else (partial rotary, a PeftModel on phi3's fused projections, bitsandbytes layers, FP8 on
+phi3's own fused projections) is refused by unsupported_reason, and the model runs transformers'
+forward.
 """
 
 from __future__ import annotations
@@ -158,8 +160,10 @@ def _layer_reason(layer: nn.Module, family: str, head_dim: int) -> str | None:
             return "q/k/v or gate/up not fused (fuse_projections=False or quantised layers)"
         if parts[3].fused.bias is not None:
             return "gate/up projections with bias"
+    from hf_paged.quantization.fp8_weights import Fp8Linear  # its GEMVs read FP8 weights too
+
     for lin in (lora_base(attn.o_proj), lora_base(mlp.down_proj)):
-        if type(lin) is not nn.Linear and type(lin).__name__ != "Fp8Linear":
+        if type(lin) not in (nn.Linear, Fp8Linear):
             return f"{type(lin).__name__} o_proj/down_proj (quantised)"
     return None
 
