@@ -95,13 +95,22 @@ class _FakeGraphs:
 
     def __init__(self, runner) -> None:
         self.buckets, self.token_buckets = [1, 2, 4], [32, 64]
+        self.calls = []
 
-    def capture(self) -> None:
+    def forward_each_bucket(self) -> None:
+        self.calls.append("forward_each_bucket")
+
+    def capture(self, warm_ups: int = 2) -> None:
+        self.calls.append(f"capture({warm_ups})")
         time.sleep(0.3)
 
 
-def test_kernel_warm_up_and_graph_capture_are_timed_with_the_graph_counts(tiny_model, monkeypatch):
+def test_kernel_warm_up_and_graph_capture_are_timed_with_the_graph_counts(
+    tiny_model, monkeypatch, tmp_path
+):
     from hf_paged.worker import cuda_graphs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the compile-ahead marker goes here
 
     monkeypatch.setattr(startup, "warm_up_kernels", lambda *a, **k: time.sleep(0.05))
     monkeypatch.setattr(cuda_graphs, "CudaGraphRunner", _FakeGraphs)
@@ -124,3 +133,35 @@ def test_kernel_warm_up_and_graph_capture_are_timed_with_the_graph_counts(tiny_m
     stats = clock.finish()
     assert stats["kernel_warm_up_s"] >= 0.05 and stats["graph_capture_s"] == 0
     assert stats["decode_graphs"] == stats["mixed_graphs"] == 0
+
+
+def test_compiles_ahead_while_the_cache_is_cold_only(tiny_model, monkeypatch, tmp_path):
+    """A cold start records (a warm-up and each bucket's first forward), compiles ahead and
+    leaves its marker; the next start-up of the same model and options finds it and runs the
+    warm-up and both capture warm-ups as before; another model compiles ahead again."""
+    from hf_paged.worker import compile_ahead, cuda_graphs
+
+    if not compile_ahead.CompileAhead().available:
+        pytest.skip("this Triton has no compile hooks")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    warm_ups = []
+    monkeypatch.setattr(startup, "warm_up_kernels", lambda *a, **k: warm_ups.append(1))
+    compiled = []
+    monkeypatch.setattr(compile_ahead.CompileAhead, "compile", lambda self: compiled.append(1))
+    monkeypatch.setattr(cuda_graphs, "CudaGraphRunner", _FakeGraphs)
+    backend = types.SimpleNamespace(name="triton", graph_safe=True)
+
+    def start(model):
+        runner = types.SimpleNamespace(
+            device=torch.device("cuda"), backend=backend, model=model, forward=None,
+            kv_caches=[], lora=False,
+        )  # fmt: skip
+        warm_ups.clear(), compiled.clear()
+        graphs = startup.capture_graphs(runner, EngineConfig(), StartupTimes())
+        return graphs.calls, len(warm_ups), len(compiled)
+
+    model = tiny_model("llama")
+    assert start(model) == (["forward_each_bucket", "capture(1)"], 2, 1)
+    assert len(list((tmp_path / "hf_paged_compiled_ahead").iterdir())) == 1
+    assert start(model) == (["capture(2)"], 1, 0)
+    assert start(tiny_model("qwen2")) == (["forward_each_bucket", "capture(1)"], 2, 1)

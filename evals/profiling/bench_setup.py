@@ -138,3 +138,26 @@ def bench_graph(fn, budget_ms: float = 150.0) -> float:
     times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
     del graph
     return times[len(times) // 2]
+
+
+def gpu_busy_us(events) -> float:
+    """Microseconds the GPU was busy: the union of the profiler's kernel intervals (kernels of
+    several streams overlap)."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def kernel_rows(events, steps: int, top: int = 25) -> str:
+    """The profiler's kernels by total time: launches and microseconds per step."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    text = "\n  launches/step  us/step  kernel"
+    for name, times in rows:
+        text += f"\n  {len(times) / steps:13.1f} {sum(times) / steps:8.1f}  {name[:90]}"
+    return text

@@ -31,7 +31,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_setup import SHAPES, add_engine_options, build_model, engine_options, w1_prompts
+from bench_setup import (
+    SHAPES,
+    add_engine_options,
+    build_model,
+    engine_options,
+    gpu_busy_us,
+    kernel_rows,
+    w1_prompts,
+)
 
 from hf_paged.worker.startup_times import format_startup
 
@@ -178,7 +186,7 @@ def run_workload(
     eng.scheduler.schedule = counted
     expected = sum(r["max_new_tokens"] for r in reqs) // 256 + 1  # steps at full concurrency
     start = max(expected // 2, 1)
-    prof, window_mix, window_wall, busy, steps = None, None, None, 0.0, 0
+    prof, window_mix, window_wall, steps = None, None, None, 0
     torch.cuda.synchronize()
     t = time.perf_counter()
     while eng.has_unfinished_requests():
@@ -225,11 +233,7 @@ def run_workload(
         text += f"; graph replays: decode {done['decode']}, mixed {done['mixed']}"
     if window_wall is not None:
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        end = float("-inf")
-        for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
-            if b > end:
-                busy += b - max(a, end)
-                end = b
+        busy = gpu_busy_us(events)
         text += (
             f"\nwindow of {window} steps from step {start}: "
             f"{window_wall / window * 1e3:.2f} ms/step wall, "
@@ -252,17 +256,6 @@ def run_workload(
             stats.sort_stats("tottime").print_stats(25)
             text += "\nhost profile of the window (cProfile, cumulative, then own time):\n"
             text += buf.getvalue()
-    return text
-
-
-def kernel_rows(events, steps: int, top: int = 25) -> str:
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    text = "\n  launches/step  us/step  kernel"
-    for name, times in rows:
-        text += f"\n  {len(times) / steps:13.1f} {sum(times) / steps:8.1f}  {name[:90]}"
     return text
 
 
@@ -293,16 +286,8 @@ def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = Fa
         for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    busy, end = 0.0, float("-inf")
-    for a, b in kernels:  # union of kernel intervals (us)
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = gpu_busy_us(kernels)
     while eng.has_unfinished_requests():
         eng.step()
     per = wall / steps * 1e3
@@ -312,9 +297,8 @@ def breakdown(eng, prompts, batch: int, steps: int = 20, kernel_table: bool = Fa
         f"{len(kernels) / steps:.0f} kernels/step"
     )
     if kernel_table:
-        cuda_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        text += kernel_rows(cuda_events, steps)
-        text += timeline(cuda_events)
+        text += kernel_rows(kernels, steps)
+        text += timeline(kernels)
     return text
 
 

@@ -226,18 +226,35 @@ class CudaGraphRunner:
         """Whether the decode graph of this bucket moves its own inputs on (see __init__)."""
         return self.advance and self.inputs.packs_table(("decode", size))
 
+    def _order(self) -> list[tuple[str, int]]:
+        """Largest first, mixed steps first (their activations are the largest): smaller graphs
+        reuse the memory pool of larger ones."""
+        order = [("mixed", t) for t in reversed(self.token_buckets)]
+        return order + [("decode", b) for b in reversed(self.buckets)]
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse its memory pool (mixed
-        steps first: their activations are the largest). The static buffers hold padding values
-        during capture (slot -1, empty sequences): nothing is written."""
+    def forward_each_bucket(self) -> None:
+        """One eager forward of each bucket, as capture() runs it: start-up records the Triton
+        variants the captures need this way and compiles them ahead (worker/compile_ahead.py)."""
         if self.eager:
             return
-        order = [("mixed", t) for t in reversed(self.token_buckets)]
-        order += [("decode", b) for b in reversed(self.buckets)]
-        for kind, size in order:
+        for kind, size in self._order():
             self.inputs.reset_padding((kind, size))
-            for _ in range(2):  # warm-up: autotuning, lazy init, compilation
+            self._forward(kind, size)
+        torch.cuda.synchronize(self.runner.device)
+
+    @torch.inference_mode()
+    def capture(self, warm_ups: int = 2) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse its memory pool (mixed
+        steps first: their activations are the largest). The static buffers hold padding values
+        during capture (slot -1, empty sequences): nothing is written. warm_ups: eager forwards
+        of a bucket before its capture (autotuning, lazy init, compilation); one where
+        forward_each_bucket() ran the first."""
+        if self.eager:
+            return
+        for kind, size in self._order():
+            self.inputs.reset_padding((kind, size))
+            for _ in range(warm_ups):
                 self._forward(kind, size)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()

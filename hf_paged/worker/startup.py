@@ -4,6 +4,7 @@ of the CUDA graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from hf_paged.config import EngineConfig
+from hf_paged.worker.compile_ahead import CompileAhead, warm_marker
 from hf_paged.worker.forward_context import AttentionMetadata, ForwardContext, forward_context
 from hf_paged.worker.graph_blockers import graph_blocker
 from hf_paged.worker.startup_times import StartupTimes
@@ -243,26 +245,72 @@ def warm_up_kernels(
 
 def capture_graphs(runner, config: EngineConfig, times: StartupTimes):
     """On CUDA: the kernel warm-up (Triton backend), then every decode and mixed-step graph;
-    returns the CudaGraphRunner, or None where graphs are off or cannot run. Both timed."""
+    returns the CudaGraphRunner, or None where graphs are off or cannot run. Both timed.
+
+    The Triton variants both need are compiled ahead, together (worker/compile_ahead.py): one
+    pass of the warm-up and of each graph bucket's forward records them without compiling or
+    launching anything, a thread pool compiles them, then the warm-up and the captures run."""
     device = runner.device
-    if device.type == "cuda" and runner.backend.name == "triton":
-        with times.phase("kernel_warm_up"):
-            warm_up_kernels(
-                runner.forward, runner.kv_caches, runner.backend, config, device, runner.lora
-            )
     blocker = graph_blocker(runner.model) if config.cuda_graphs else None
     if blocker is not None and device.type == "cuda":
         warnings.warn(f"hf_paged: CUDA graphs off: {blocker}", RuntimeWarning, stacklevel=3)
     graphs_ok = config.cuda_graphs and runner.backend.graph_safe and blocker is None
-    if device.type != "cuda" or not graphs_ok:
-        return None
-    from hf_paged.worker.cuda_graphs import CudaGraphRunner
+    graphs = None
+    if device.type == "cuda" and graphs_ok:
+        from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
-    with times.phase("graph_capture"):
         graphs = CudaGraphRunner(runner)
-        graphs.capture()
-    times.decode_graphs, times.mixed_graphs = len(graphs.buckets), len(graphs.token_buckets)
+    recorded = False  # the graph buckets' first forward ran, recording
+    marker = None  # where a start-up that compiled ahead leaves its mark
+    if device.type == "cuda" and runner.backend.name == "triton":
+        warm_up = partial(
+            warm_up_kernels, runner.forward, runner.kv_caches, runner.backend, config, device,
+            runner.lora,
+        )  # fmt: skip
+        with times.phase("kernel_warm_up"):
+            ahead = CompileAhead()
+            marker = warm_marker(_variant_parts(runner, config)) if ahead.available else None
+            if marker is not None and marker.exists():
+                marker = None  # compiled ahead before: the on-disk cache has every variant
+            if marker is not None:
+                with ahead.recording():
+                    warm_up()
+                    if graphs is not None:  # in place of the first of its two warm-ups
+                        graphs.forward_each_bucket()
+                        recorded = True
+                ahead.compile()
+            warm_up()  # loads the compiled variants; compiles any that failed ahead
+    if graphs is not None:
+        with times.phase("graph_capture"):
+            graphs.capture(warm_ups=1 if recorded else 2)
+        times.decode_graphs, times.mixed_graphs = len(graphs.buckets), len(graphs.token_buckets)
+    if marker is not None:
+        _leave(marker)
     return graphs
+
+
+def _variant_parts(runner, config: EngineConfig) -> list[str]:
+    """What decides the Triton variants a start-up compiles, besides the kernels' sources and
+    the versions (compile_ahead.warm_marker): the model's config and dtype, the engine's
+    options (plain values only), LoRA."""
+    cfg = runner.model.config.get_text_config()
+    options = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if isinstance(getattr(config, f.name), (bool, int, float, str, type(None)))
+    }
+    dtype = next(runner.model.parameters()).dtype
+    return [cfg.to_json_string(use_diff=False), repr(sorted(options.items())), str(dtype),
+            str(runner.lora)]  # fmt: skip
+
+
+def _leave(marker) -> None:
+    """Leave the marker once the start-up that compiled ahead has finished (best effort)."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
 
 
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device):
