@@ -61,7 +61,9 @@ def paged_attention_ref(
     v_scale: float = 1.0,
     alibi_slopes: torch.Tensor | None = None,  # [Hq]: ALiBi, slope * (key pos - query pos)
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    """Pure-torch reference (and the CPU backend). One sequence at a time, softmax in float32.
+    """Pure-torch reference (and the CPU backend). One sequence at a time, softmax in float32
+    (float64 for a float64 model: a downcast there showed as a 6e-6 relative mismatch against
+    transformers on Gemma 4, whose unscaled attention logits reach ~60).
 
     Semantics (the contract every kernel must match): the new tokens of sequence i are the last
     q_len of its seq_len tokens; new token at absolute position p attends to keys k <= p, and with
@@ -79,6 +81,7 @@ def paged_attention_ref(
     _, block_size, num_kv_heads, _ = key_cache.shape
     head_dim_v = value_cache.shape[3]
     group = num_q_heads // num_kv_heads
+    acc = torch.promote_types(query.dtype, torch.float32)
     # zeros, not empty: rows no sequence owns (bucket padding) must not carry garbage/NaN onward
     out = query.new_zeros(num_tokens, num_q_heads, head_dim_v)
     qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
@@ -90,9 +93,9 @@ def paged_attention_ref(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_table[i, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float() * k_scale
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:seq_len].float() * v_scale
-        q = query[start:end].float()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(acc) * k_scale
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:seq_len].to(acc) * v_scale
+        q = query[start:end].to(acc)
         # [Hkv, G, q_len, D] x [Hkv, D, seq_len] -> [Hkv, G, q_len, seq_len]
         q = q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = torch.matmul(q, k.permute(1, 2, 0).unsqueeze(1)) * scale
@@ -101,14 +104,14 @@ def paged_attention_ref(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
         if alibi_slopes is not None:
-            slopes = alibi_slopes.float().reshape(num_kv_heads, group, 1, 1)
-            scores = scores + slopes * (k_pos - q_pos).float()
+            slopes = alibi_slopes.to(acc).reshape(num_kv_heads, group, 1, 1)
+            scores = scores + slopes * (k_pos - q_pos).to(acc)
         allowed = k_pos <= q_pos
         if sliding_window is not None and sliding_window > 0:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
-            sink = sinks.float().reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            sink = sinks.to(acc).reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)

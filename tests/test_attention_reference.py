@@ -78,3 +78,23 @@ def test_write_kv_ref_skips_padding_slots():
     write_kv_ref(k, -k, kc, vc, torch.tensor([5, -1, 0]))
     assert torch.equal(kc[2, 1, 0], k[0, 0]) and torch.equal(vc[0, 0, 0], -k[2, 0])
     assert kc.abs().sum() == k[0].abs().sum() + k[2].abs().sum()
+
+
+def test_float64_inputs_are_computed_in_float64():
+    """Logits of ~60 (Gemma 4's unscaled attention): a float32 softmax would be off by ~1e-5
+    relative; the reference keeps a float64 model's precision."""
+    g = torch.Generator().manual_seed(0)
+    s, hq, hkv, d, bs = 24, 4, 2, 16, 4
+    k = torch.randn(s, hkv, d, generator=g, dtype=torch.float64) * 2.5
+    v = torch.randn(s, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(s, hq, d, generator=g, dtype=torch.float64) * 2.5
+    kc = torch.zeros(s // bs, bs, hkv, d, dtype=torch.float64)
+    vc = torch.zeros_like(kc)
+    write_kv_ref(k, v, kc, vc, torch.arange(s))  # blocks 0.. in order
+    table = torch.arange(s // bs, dtype=torch.int32)[None]
+    meta = AttentionMetadata.from_lengths([s], [s], table)
+    out = paged_attention_ref(q, kc, vc, meta, 1.0)
+    assert out.dtype == torch.float64
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(hq // hkv, dim=1))
+    assert float(scores.abs().max()) > 40
+    assert torch.allclose(out, _dense(q, k, v, 1.0), atol=1e-12, rtol=0)

@@ -29,10 +29,12 @@ SUBSET = {
     "roberta": "exact",  # position ids as generate passes them, not padding_idx + 1 onwards
     "stablelm": "exact",  # routes attention through the interface without the class flag
     "blenderbot-small": "exact",  # positions built inside the decoder: the step's positions
+    # unscaled attention: float32 rounding past the comparison, as transformers' eager is
+    "gemma4": "rounding",
 }
 
 
-def test_fast_subset_is_exact_or_refused(one_torch_thread):
+def test_fast_subset_is_exact_rounding_or_refused(one_torch_thread):
     rows = coverage.run_coverage(list(SUBSET), progress=False)
     got = {r.model_type: r.status for r in rows}
     counts = coverage.counts(rows)

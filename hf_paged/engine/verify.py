@@ -36,6 +36,16 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 # models 3e-7-4e-7.
 # Models that run and differ measure 0.1-0.8 (above), so 5e-2 still catches them.
 FP8_KV_TOLERANCE = 5e-2
+# A model can amplify float rounding past TOLERANCE on its own: Gemma 4 (attention unscaled,
+# logits up to ~60, 30 layers) in float32 measures 5.0e-4 between transformers' own sdpa and
+# eager forwards, each ~6e-4 from a float64 forward, and the paged path 6.9e-4 from sdpa (exact
+# in float64). So a difference past TOLERANCE is measured against transformers' own spread: its
+# forward under a second attention implementation on the same prompts. The paged path passes
+# within SPREAD_FACTOR times that spread (two float32 forwards each off the exact one by about
+# the spread differ from each other by up to twice it), and never past SPREAD_CAP. The models
+# that run and differ (above) measure 0.1-0.8 against spreads at rounding level.
+SPREAD_FACTOR = 4.0
+SPREAD_CAP = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 2e-1}
 # one prompt over a 16-token block boundary, one inside a block; shorter when the KV cache is
 # too small for these (see _prompt_lengths)
 PROMPT_LENGTHS = ((19, 6), (11, 5), (7, 3), (3, 2))
@@ -94,16 +104,42 @@ def verify_model(model: torch.nn.Module, runner, lease) -> float | None:
     tol = TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
     if runner.kv_scales is not None:
         tol = max(tol, FP8_KV_TOLERANCE)
-    if not err <= tol:  # NaN fails too
+    if err <= tol:
+        return err
+    spread = _reference_spread(model, lease, seqs, runner, reference, scale)
+    allowed = tol
+    if spread is not None:
+        allowed = max(tol, min(SPREAD_FACTOR * spread, SPREAD_CAP.get(dtype, tol)))
+    if not err <= allowed:  # NaN fails too
         where = "already in the prompt forward" if not err_prefill <= tol else "at the decode step"
+        own = (
+            f"; transformers' own forward differs from itself under another attention "
+            f"implementation by {spread:.3g}"
+            if spread is not None
+            else ""
+        )
         raise ValueError(
             f"model: {name} computes different logits under paged attention than under "
             f"transformers' own forward, {where} (largest difference {err:.3g} of the largest "
-            f"logit; the {dtype} tolerance is {tol:g}), on a check of {len(seqs)} prompts of "
-            f"{' and '.join(str(n) for n in lengths)} tokens and one decode step each. Likely "
-            f"cause: {LIKELY_CAUSES}. Pass verify_model=False to run it anyway"
+            f"logit; the {dtype} tolerance is {tol:g}{own}), on a check of {len(seqs)} prompts "
+            f"of {' and '.join(str(n) for n in lengths)} tokens and one decode step each. "
+            f"Likely cause: {LIKELY_CAUSES}. Pass verify_model=False to run it anyway"
         )
     return err
+
+
+def _reference_spread(model, lease, seqs, runner, reference, scale: float) -> float | None:
+    """How far transformers' forward under a second attention implementation (eager, or sdpa
+    where the reference ran eager) is from the reference, as a fraction of `scale`; None where
+    no second implementation runs on this model."""
+    second = "sdpa" if lease.previous == "eager" else "eager"
+    try:
+        other = _reference_logits(model, lease, seqs, runner, implementation=second)
+    except (ValueError, ImportError):
+        return None
+    if other is None:
+        return None
+    return max(float((a - b).abs().max()) for a, b in zip(reference, other)) / scale
 
 
 def _model_name(model: torch.nn.Module) -> str:
@@ -134,13 +170,17 @@ def _prompt_lengths(
 
 
 @torch.inference_mode()
-def _reference_logits(model, lease, seqs: list[torch.Tensor], runner) -> list[torch.Tensor] | None:
+def _reference_logits(
+    model, lease, seqs: list[torch.Tensor], runner, implementation: str | None = None
+) -> list[torch.Tensor] | None:
     """transformers' logits at every position of each sequence alone, under the attention
-    implementation the model had before the engine (kept on the lease for later Engines on
-    the same model, which must not switch the attention under one that is stepping). With an
-    FP8 KV cache, that attention sees K/V rounded as the cache stores them."""
+    implementation the model had before the engine, or `implementation` (kept on the lease for
+    later Engines on the same model, which must not switch the attention under one that is
+    stepping). With an FP8 KV cache, that attention sees K/V rounded as the cache stores them."""
     scales = runner.kv_scales
+    implementation = implementation or lease.previous
     key = (tuple(tuple(s.tolist()) for s in seqs), runner.kv_spec.dtype, str(scales))
+    key += (implementation,)
     cached = lease.references.get(key)
     if cached is not None:
         return cached
@@ -148,7 +188,7 @@ def _reference_logits(model, lease, seqs: list[torch.Tensor], runner) -> list[to
         return None
     device = next(model.parameters()).device
     current = model.config._attn_implementation
-    model.set_attn_implementation(lease.previous)
+    model.set_attn_implementation(implementation)
     # a PeftModel: the check compares the base model (the paged side runs no adapter either)
     base_only = model.disable_adapter() if lease.lora is not None else contextlib.nullcontext()
     try:
