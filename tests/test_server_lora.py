@@ -85,7 +85,7 @@ def nothing_left(request):
     if "served" not in request.fixturenames:
         return
     engine, _, front = request.getfixturevalue("served")
-    check_served_idle(engine, front)
+    check_served_idle(front)
     assert front.alive
 
 
