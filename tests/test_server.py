@@ -8,7 +8,6 @@ import asyncio
 import http.client
 import json
 import sys
-import time
 
 import openai
 import pytest
@@ -16,9 +15,9 @@ import torch
 
 from hf_paged.engine.engine import Engine
 from hf_paged.entrypoints.api_server import build_app
+from hf_paged.entrypoints.serve import build, build_parser, engine_options
 from hf_paged.entrypoints.server_thread import ServerThread
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.entrypoints.serve import build, build_parser, engine_options
 from hf_paged.testing import check_served_idle, engine_stats, tiny_tokenizer
 
 
