@@ -1,7 +1,8 @@
 """`hf-paged serve --engine-process`: the engine in a spawned process of its own. What the
 server tests (run in both modes) do not show: a child that cannot start is an error in the
-parent, never a hang; a closed handle's abort reaches the child and frees its blocks; the child
-does not outlive the API process, however that one ends; close() ends it cleanly."""
+parent, never a hang; a closed handle's abort reaches the child and frees its blocks; the queue
+cap holds; the child does not outlive the API process, however that one ends; close() ends it
+cleanly."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from hf_paged.entrypoints.core_messages import EngineSpec
 from hf_paged.entrypoints.engine_client import EngineProcess, EngineStartError
+from hf_paged.entrypoints.errors import QueueFull
 from hf_paged.entrypoints.serve import build_parser, engine_options, load, load_tokenizer
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.testing import tiny_tokenizer
@@ -57,7 +59,7 @@ def test_start_up_failures_are_errors_in_the_parent(folder, tmp_path):
 
 def test_a_closed_handle_aborts_in_the_child_and_close_ends_it(folder):
     spec, tokenizer = _spec(folder)
-    with EngineProcess(spec, tokenizer) as front:
+    with EngineProcess(spec, tokenizer, max_queued=1) as front:
 
         async def run():
             front.start()
@@ -75,6 +77,13 @@ def test_a_closed_handle_aborts_in_the_child_and_close_ends_it(folder):
             with pytest.raises(ValueError, match="vocabulary"):
                 await bad.admitted()
             assert front.num_in_flight == 0 and front.alive
+            # admission: max_num_seqs (8) + max_queued (1) sequences in flight, n counts
+            held = front.submit([[5, 6], [7]], SamplingParams(max_tokens=50, n=4))
+            with pytest.raises(QueueFull):
+                front.submit([[5]], SamplingParams(max_tokens=4, n=2))
+            await held.admitted()
+            held.close()
+            await asyncio.to_thread(front.check_idle)
 
         asyncio.run(run())
         front.shutdown()
