@@ -55,6 +55,16 @@ def load_evals():
     return run
 
 
+def evals_call(module: str, name: str, *args):
+    """`hf_paged_evals.<module>.<name>(*args)`, evals/ loaded first as load_evals() does: how a
+    spawned process (serve-bench's engine process) runs evals code, which is not installed
+    (functools.partial(evals_call, ...) pickles; a function of hf_paged_evals does not)."""
+    import importlib
+
+    load_evals()
+    return getattr(importlib.import_module(f"hf_paged_evals.{module}"), name)(*args)
+
+
 def drive_engine(engine, ops: list) -> dict[str, list[int]]:
     """Replay an op list (("add", prompt, params, priority), ("step",), ("abort", index)) and
     run to the end, checking block accounting and the seat limit throughout; tokens of every

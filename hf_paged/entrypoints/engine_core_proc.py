@@ -220,6 +220,7 @@ class _CoreLoop:
                 "step_cpu_s": self.step_cpu_s,
                 "first_add": self.first_add,
                 "last_add": self.last_add,
+                "thread_cpu_s": time.thread_time(),  # the step loop thread's, since it started
             },
         }
 
