@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -130,3 +132,36 @@ def test_the_child_does_not_outlive_the_api_process(folder, tmp_path, how):
     while not _gone(pid):
         assert time.monotonic() < deadline, f"the engine process {pid} outlived its parent"
         time.sleep(0.05)
+
+
+def test_an_engine_process_that_dies_is_a_503_not_a_hang(folder):
+    """The engine process killed under a live server: /health says so, a stream in progress
+    ends with an error, new requests get 503, and the server itself keeps answering."""
+    import signal
+
+    import openai
+
+    from hf_paged.entrypoints.api_server import build_app
+    from hf_paged.entrypoints.server_thread import ServerThread
+
+    spec, tokenizer = _spec(folder)
+    with EngineProcess(spec, tokenizer) as front, ServerThread(build_app(front, "m")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(
+            model="m", prompt="hi", max_tokens=50, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))  # it runs
+        os.kill(front.process.pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        deadline = time.monotonic() + 10
+        while front.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(server.url + "/health")
+        assert info.value.code == 503
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="m", prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503
