@@ -172,6 +172,19 @@ def warm_up(prompts: list[list[int]], engine) -> None:
     engine.reset_prefix_cache()
 
 
+def _give_back_device_memory() -> None:
+    """The earlier runs' KV caches and graphs, freed but still in this process's CUDA caching
+    allocator, back to the device: the engine process sizes its KV cache from what the device
+    has free, and memory this process keeps reserved is not free there."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _process_server_run(load_args: tuple, tokenizer, wl, clients: int, options: dict):
     """The server with its engine in a process of its own (hf-paged serve --engine-process):
     the engine process loads the model from load_args (child_model) and warms up the same way;
@@ -185,6 +198,7 @@ def _process_server_run(load_args: tuple, tokenizer, wl, clients: int, options: 
     from hf_paged.gc_freeze import frozen_heap
     from hf_paged.testing import evals_call
 
+    _give_back_device_memory()
     warm = [r.prompt_token_ids for r in wl.requests[:8]]
     spec = EngineSpec(
         functools.partial(evals_call, "serve_bench", "child_model", *load_args),

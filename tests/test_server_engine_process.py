@@ -20,7 +20,7 @@ import pytest
 
 from hf_paged.entrypoints.core_messages import EngineSpec
 from hf_paged.entrypoints.engine_client import EngineProcess, EngineStartError
-from hf_paged.entrypoints.errors import QueueFull
+from hf_paged.entrypoints.fronts import QueueFull
 from hf_paged.entrypoints.serve import build_parser, engine_options, load, load_tokenizer
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.testing import tiny_tokenizer

@@ -35,12 +35,10 @@ from collections.abc import Callable, Sequence
 from hf_paged.core.request import RequestOutput
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.stream import RequestStream
-from hf_paged.entrypoints.errors import EngineDead, QueueFull
+from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S, EngineDead, QueueFull
 from hf_paged.lora.layers import adapter_names
 from hf_paged.sampling_params import SamplingParams
 
-# the pacing of hand-offs to the event loop: seconds per live stream (see the module docstring)
-STREAM_INTERVAL_S = 0.0005
 # the interpreter's switch interval while serving (Python's default is 5 ms)
 SWITCH_INTERVAL_S = 0.0002
 

@@ -48,8 +48,10 @@ from hf_paged.entrypoints.core_messages import (
     CoreOutput,
     EngineSpec,
 )
-from hf_paged.entrypoints.errors import EngineDead, QueueFull
+from hf_paged.entrypoints.fronts import EngineDead, QueueFull
 from hf_paged.request_ids import sibling_request_id
+
+MAX_MESSAGES_PER_READ = 16
 
 
 class EngineStartError(RuntimeError):
@@ -145,6 +147,9 @@ class CoreRequestHandle:
         """This choice is done though the engine still runs it (a stop string found here)."""
         if request_id in self._unfinished:
             self._unfinished.discard(request_id)
+            # nobody reads it any more: its abort's final output is dropped on arrival (not
+            # counted as a finished request, as in one process)
+            self.front._by_rid.pop(request_id, None)
             self.front._abort([request_id])
             if self.finished:
                 self.front._release(self)
@@ -192,9 +197,8 @@ class EngineProcess:
         self._send_lock = threading.Lock()  # the loop and test threads (call()) both send
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        # what came back (benchmarks): messages read off the pipe, output items in them
+        # what came back (benchmarks): messages read off the pipe
         self.num_handoffs = 0
-        self.num_steps_received = 0
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._recv, child_send = ctx.Pipe(duplex=False)
         child_recv, self._send = ctx.Pipe(duplex=False)
@@ -381,13 +385,18 @@ class EngineProcess:
         recv = self._recv
         woken: set[CoreRequestHandle] = set()
         try:
-            while recv.poll():
+            # at most a few messages per call: an engine that writes faster than this loop
+            # reads must not keep the woken coroutines from running (the fd stays readable, so
+            # the loop calls back after them; the engine merges what waits meanwhile)
+            for _ in range(MAX_MESSAGES_PER_READ):
+                if not recv.poll():
+                    break
                 self.num_handoffs += 1
                 for item in recv.recv():
                     self._dispatch(item, woken)
         except (EOFError, OSError):
             self._loop.remove_reader(recv.fileno())
-            self.process.join(5)
+            self.process.join(1)  # it closed its end: it is exiting
             if self.error is None:
                 self._fail(EngineDead(f"the engine process exited (code {self.process.exitcode})"))
         for handle in woken:
@@ -396,7 +405,6 @@ class EngineProcess:
     def _dispatch(self, item: tuple, woken: set) -> None:
         kind = item[0]
         if kind == OUTPUTS:
-            self.num_steps_received += 1
             by_rid = self._by_rid
             for out in item[1]:
                 handle = by_rid.get(out[0])

@@ -12,7 +12,7 @@ import sys
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
-from hf_paged.entrypoints.async_engine import STREAM_INTERVAL_S
+from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hf_paged.entrypoints.detokenizer import IncrementalDetokenizer, final_text
-from hf_paged.entrypoints.errors import EngineDead, QueueFull
+from hf_paged.entrypoints.fronts import EngineDead, QueueFull
 from hf_paged.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from hf_paged.sampling_params import SamplingParams
 
