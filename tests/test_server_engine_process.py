@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from hf_paged.entrypoints.core_messages import EngineSpec
 from hf_paged.entrypoints.engine_client import EngineProcess, EngineStartError
@@ -165,3 +166,47 @@ def test_an_engine_process_that_dies_is_a_503_not_a_hang(folder):
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="m", prompt="hi", max_tokens=2)
         assert info.value.status_code == 503
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_process_on_the_gpu(folder):
+    """`--engine-process` on CUDA with the engine's GPU defaults (torch.compile, CUDA graphs),
+    float32: 32 concurrent streamed requests get the offline Engine's greedy text; every block
+    is back in the pool after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from hf_paged.engine.engine import Engine
+    from hf_paged.entrypoints.serve import build
+    from hf_paged.entrypoints.server_thread import ServerThread
+
+    argv = [str(folder), "--device-map", "cuda", "--dtype", "float32", "--served-model-name", "m"]
+    argv += ["--engine-option", "num_blocks=512", "--max-model-len", "128"]
+    args = build_parser().parse_args(argv)
+    options = engine_options(args)
+    prompts = [f"request {i} says {'ab' * (i % 5)}" for i in range(32)]
+    offline = Engine(*load(args), **options)
+    want = [
+        o.text for o in offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    ]
+    offline.shutdown()
+    args.engine_process = True
+    front, app = build(args, options)
+    try:
+        with ServerThread(app) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+            def one(prompt: str) -> str:
+                chunks = client.completions.create(
+                    model="m", prompt=prompt, max_tokens=24, temperature=0, stream=True
+                )
+                return "".join(c.choices[0].text for c in chunks if c.choices)
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(one, prompts))
+            assert got == want
+            front.check_idle()
+    finally:
+        front.close()
