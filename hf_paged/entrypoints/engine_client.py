@@ -48,6 +48,7 @@ from hf_paged.entrypoints.core_messages import (
     CoreOutput,
     EngineSpec,
 )
+from hf_paged.entrypoints.engine_core_proc import run_engine_core
 from hf_paged.entrypoints.fronts import EngineDead, QueueFull
 from hf_paged.request_ids import sibling_request_id
 
@@ -99,7 +100,8 @@ class CoreRequestHandle:
         else:
             self._admitted.set_exception(ValueError(error))
             self._admitted.exception()  # retrieved: no "never retrieved" warning if unawaited
-            self.closed_by_engine()
+            self._unfinished.clear()  # nothing runs in the engine: nothing to abort
+            self.front._release(self)
 
     def _deliver(self, item: tuple) -> None:
         """One output tuple of the engine's (core_messages), on the event loop."""
@@ -164,11 +166,6 @@ class CoreRequestHandle:
         self._unfinished.clear()
         self.front._release(self)
 
-    def closed_by_engine(self) -> None:
-        """Refused at admission: nothing runs in the engine, nothing to abort."""
-        self._unfinished.clear()
-        self.front._release(self)
-
 
 class EngineProcess:
     """spec: what the engine process builds its Engine from; tokenizer: the same tokenizer,
@@ -181,8 +178,6 @@ class EngineProcess:
         max_queued: int = 1024,
         start_timeout_s: float | None = None,
     ) -> None:
-        from hf_paged.entrypoints.engine_core_proc import run_engine_core
-
         if tokenizer is None:
             raise ValueError("tokenizer: serving needs the model's tokenizer")
         self.tokenizer = tokenizer
@@ -196,7 +191,7 @@ class EngineProcess:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._send_lock = threading.Lock()  # the loop and test threads (call()) both send
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
+        self._closed = self._ready = False
         # what came back (benchmarks): messages read off the pipe
         self.num_handoffs = 0
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
@@ -217,6 +212,7 @@ class EngineProcess:
         except BaseException:
             self.close()
             raise
+        self._ready = True
         self.max_model_len = info["max_model_len"]
         self.max_seq_tokens = info["max_seq_tokens"]
         self.capacity = info["max_num_seqs"] + max_queued
@@ -276,7 +272,9 @@ class EngineProcess:
             self._post((SHUTDOWN,))
         except (OSError, EOFError):
             pass
-        self.process.join(timeout_s)
+        # still loading (a start-up given up on: Ctrl-C, an error here): it reads SHUTDOWN only
+        # once it serves, so it is terminated at once
+        self.process.join(timeout_s if self._ready else 0)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
@@ -308,6 +306,8 @@ class EngineProcess:
         engine's verdict. Raises QueueFull or EngineDead here."""
         if not self.alive:
             raise EngineDead(f"the engine process is not running ({self.error!r})")
+        if self._loop is None:
+            raise RuntimeError("EngineProcess.start() first: the event loop reads the outputs")
         wanted = len(prompts) * params.n
         if self.num_in_flight + wanted > self.capacity:
             raise QueueFull(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -85,6 +86,9 @@ def _reader(conn, inbox: queue.SimpleQueue, stopping: threading.Event) -> None:
 
 def run_engine_core(spec: EngineSpec, conn_in, conn_out) -> None:
     """Load, build the Engine, report READY (or FAILED with the traceback), then serve."""
+    # Ctrl-C in a terminal reaches the whole process group: the API process shuts down
+    # gracefully (its open streams still end) and then ends this one
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     stopping = threading.Event()
     threading.Thread(
