@@ -185,9 +185,18 @@ def _give_back_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _process_server_run(load_args: tuple, tokenizer, wl, clients: int, options: dict):
+def child_loader(*load_args):
+    """A picklable load() for EngineSpec: child_model(*load_args) in the engine process."""
+    import functools
+
+    from hf_paged.testing import evals_call
+
+    return functools.partial(evals_call, "serve_bench", "child_model", *load_args)
+
+
+def _process_server_run(load, tokenizer, wl, clients: int, options: dict):
     """The server with its engine in a process of its own (hf-paged serve --engine-process):
-    the engine process loads the model from load_args (child_model) and warms up the same way;
+    the engine process runs load() (picklable: child_loader) and warms up as the others do;
     this process runs uvicorn and the front."""
     import functools
 
@@ -201,7 +210,7 @@ def _process_server_run(load_args: tuple, tokenizer, wl, clients: int, options: 
     _give_back_device_memory()
     warm = [r.prompt_token_ids for r in wl.requests[:8]]
     spec = EngineSpec(
-        functools.partial(evals_call, "serve_bench", "child_model", *load_args),
+        load,
         {**options, "max_num_seqs": clients},
         functools.partial(evals_call, "serve_bench", "warm_up", warm),
     )
@@ -229,6 +238,13 @@ def _process_server_run(load_args: tuple, tokenizer, wl, clients: int, options: 
             "engine": after["thread_cpu_s"] - before["thread_cpu_s"],
             "loop": loop_cpu,
         },
+        # the step loop thread's waits for a core (None off Linux): what is left of the time in
+        # step() beyond its CPU time and this is the device's (or a stub's) and the GIL's
+        "engine_run_delay_s": (
+            None
+            if after["thread_run_delay_s"] is None
+            else after["thread_run_delay_s"] - before["thread_run_delay_s"]
+        ),
         "gc": gc_pauses.as_dict(),  # this process's (the engine process has its own)
         "engine_process": True,
     }
@@ -320,7 +336,8 @@ def cmd_serve_bench(args, save) -> int:
                 interval = args.stream_interval_ms
                 runs.append(_server_run(model, tokenizer, wl, clients, options, False, interval))
             if args.engine_process in ("on", "both"):
-                runs.append(_process_server_run(load_args, tokenizer, wl, clients, options))
+                load = child_loader(*load_args)
+                runs.append(_process_server_run(load, tokenizer, wl, clients, options))
         ms = [metrics(r) for r in runs]
         results.append({"workload": wl.summary(), "clients": clients, "metrics": ms})
         rows.append((wl.summary(), ms))
@@ -393,6 +410,8 @@ def _engine_line(off: dict, srv: dict) -> str:
     if s.get("thread_cpu_s"):
         t = s["thread_cpu_s"]
         line += f"; CPU s: engine thread {t['engine']:.2f}, event loop {t['loop']:.2f}"
+    if s.get("engine_run_delay_s") is not None:
+        line += f"; engine process's loop waited {s['engine_run_delay_s']:.2f} s for a core"
     if "gc" in o and "gc" in s:
         line += f"; GC pauses: offline {_gc(o['gc'])}, {srv['backend']} {_gc(s['gc'])}"
     return line

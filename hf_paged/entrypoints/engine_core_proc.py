@@ -37,6 +37,15 @@ from hf_paged.entrypoints.core_messages import (
 STATS_INTERVAL_S = 0.05
 
 
+def _run_delay() -> float | None:
+    """Seconds this thread was runnable but waited for a core (Linux's schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return None
+
+
 class _Sender(threading.Thread):
     def __init__(self, conn) -> None:
         super().__init__(name="hf-paged-core-sender", daemon=True)
@@ -225,6 +234,7 @@ class _CoreLoop:
                 "first_add": self.first_add,
                 "last_add": self.last_add,
                 "thread_cpu_s": time.thread_time(),  # the step loop thread's, since it started
+                "thread_run_delay_s": _run_delay(),  # and its waits for a core (Linux)
             },
         }
 
