@@ -1,5 +1,7 @@
 """`run.py serve-bench`: a workload through the OpenAI server by N concurrent streaming clients,
-next to the same workload through the offline engine, in one invocation.
+next to the same workload through the offline engine, in one invocation. With
+`--engine-process on` the server's engine runs in a process of its own (`hf-paged serve
+--engine-process`; run "server-proc"), `both` runs the two servers one after the other.
 
 Per workload: the offline run (backends.run_paged: Engine.add_request/step, every request
 submitted at t0) at max_num_seqs = clients; then a server on an Engine with the same options
@@ -47,6 +49,11 @@ def add_parser(sub, common) -> None:
         "--stream-interval-ms", type=float, default=None,
         help="the server's hand-off pacing per live stream (hf-paged serve's option; "
         "default: its default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine-process", choices=("off", "on", "both"), default="off",
+        help="the server's engine in a process of its own (hf-paged serve --engine-process), "
+        "which loads the model again; both: one server run of each kind, same workload",
     )  # fmt: skip
     p.add_argument("--url", default=None, help="a running server: clients only, no offline run")
     p.add_argument("--served-model-name", default=None, help="with --url: the model to ask for")
@@ -121,7 +128,7 @@ def _server_run(
         "step_s": front.step_seconds,
         "step_cpu_s": front.step_cpu_seconds,
         "num_handoffs": front.num_handoffs,
-        "arrivals": _arrivals(front),
+        "arrivals": _arrivals(front.first_submit, front.last_submit),
         "thread_cpu_s": cpu,  # CPU seconds of the engine loop thread and the event loop
         "gc": gc_pauses.as_dict(),
     }
@@ -130,13 +137,120 @@ def _server_run(
     return run
 
 
-def _arrivals(front) -> dict | None:
+def _arrivals(first: tuple | None, last: tuple | None) -> dict | None:
     """The steps between the first request's arrival and the last one's: steps, time and CPU
     time inside step(), and how long the requests took to arrive."""
-    if front.first_submit is None:
+    if first is None:
         return None
-    (t0, n0, s0, c0), (t1, n1, s1, c1) = front.first_submit, front.last_submit
+    (t0, n0, s0, c0), (t1, n1, s1, c1) = first, last
     return {"span_s": t1 - t0, "num_steps": n1 - n0, "step_s": s1 - s0, "step_cpu_s": c1 - c0}
+
+
+def child_model(model: str, dtype: str, device: str):
+    """The engine process's (model, tokenizer): what cmd_serve_bench loads, loaded again there
+    (through hf_paged.testing.evals_call; the model never crosses processes)."""
+    if model == "tiny":
+        import torch
+
+        torch.set_num_threads(1)  # as the parent on CPU (cmd_serve_bench)
+        return tiny_model()
+    from .models import load_model
+
+    loaded = load_model(model, dtype, device)
+    if next(loaded.model.parameters()).device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
+    return loaded.model, loaded.tokenizer or placeholder_tokenizer(loaded.model.config.vocab_size)
+
+
+def warm_up(prompts: list[list[int]], engine) -> None:
+    """As run_paged and the in-process server: a slice of the workload, outside the clock."""
+    from hf_paged import SamplingParams
+
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.reset_prefix_cache()
+
+
+def _give_back_device_memory() -> None:
+    """The earlier runs' KV caches and graphs, freed but still in this process's CUDA caching
+    allocator, back to the device: the engine process sizes its KV cache from what the device
+    has free, and memory this process keeps reserved is not free there."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def child_loader(*load_args):
+    """A picklable load() for EngineSpec: child_model(*load_args) in the engine process."""
+    import functools
+
+    from hf_paged.testing import evals_call
+
+    return functools.partial(evals_call, "serve_bench", "child_model", *load_args)
+
+
+def _process_server_run(load, tokenizer, wl, clients: int, options: dict):
+    """The server with its engine in a process of its own (hf-paged serve --engine-process):
+    the engine process runs load() (picklable: child_loader) and warms up as the others do;
+    this process runs uvicorn and the front."""
+    import functools
+
+    from hf_paged.entrypoints.api_server import build_app
+    from hf_paged.entrypoints.core_messages import EngineSpec
+    from hf_paged.entrypoints.engine_client import EngineProcess
+    from hf_paged.entrypoints.server_thread import ServerThread
+    from hf_paged.gc_freeze import frozen_heap
+    from hf_paged.testing import evals_call
+
+    _give_back_device_memory()
+    warm = [r.prompt_token_ids for r in wl.requests[:8]]
+    spec = EngineSpec(
+        load,
+        {**options, "max_num_seqs": clients},
+        functools.partial(evals_call, "serve_bench", "warm_up", warm),
+    )
+    with EngineProcess(spec, tokenizer, max_queued=len(wl.requests)) as front:
+        app = build_app(front, "bench")
+        with frozen_heap(), ServerThread(app) as server, GcPauses() as gc_pauses:
+            before = front.call("stats")["loop"]
+            loop0 = thread_cpu_s(server.thread)
+            timings, wall = _clients(server.url, "bench", wl, clients, None)
+            loop_cpu = thread_cpu_s(server.thread) - loop0
+            stats = front.call("stats")
+    after = stats.pop("loop")
+    extra = {
+        "kv_usage": stats["peak_blocks_used"] / stats["num_blocks"],
+        "engine_stats": stats,
+        # the engine process's step loop (steps, time and CPU time inside step(), the warm-up
+        # left out) and the messages of outputs this process read from it
+        "num_steps": after["num_steps"] - before["num_steps"],
+        "step_s": after["step_s"] - before["step_s"],
+        "step_cpu_s": after["step_cpu_s"] - before["step_cpu_s"],
+        "num_handoffs": front.num_handoffs,
+        "arrivals": _arrivals(after["first_add"], after["last_add"]),
+        # CPU seconds of the engine process's step loop thread and of this event loop
+        "thread_cpu_s": {
+            "engine": after["thread_cpu_s"] - before["thread_cpu_s"],
+            "loop": loop_cpu,
+        },
+        # the step loop thread's waits for a core (None off Linux): what is left of the time in
+        # step() beyond its CPU time and this is the device's (or a stub's) and the GIL's
+        "engine_run_delay_s": (
+            None
+            if after["thread_run_delay_s"] is None
+            else after["thread_run_delay_s"] - before["thread_run_delay_s"]
+        ),
+        "gc": gc_pauses.as_dict(),  # this process's (the engine process has its own)
+        "engine_process": True,
+    }
+    run = BackendRun("server-proc", clients, timings, wall, extra=extra)
+    _check_lengths(run, wl)  # every token of every request reached its client
+    return run
 
 
 def _clients(url: str, model: str, wl, clients: int, api_key: str | None):
@@ -176,6 +290,7 @@ def cmd_serve_bench(args, save) -> int:
 
         if args.model == "tiny" or not torch.cuda.is_available():
             args.model = "tiny"
+    load_args = (args.model, args.dtype, args.device)  # an engine process loads the same
     if args.model == "tiny":
         model, tokenizer = tiny_model()
         desc = "tiny (llama, 2 layers, hidden 64, vocab 256, float32, random weights)"
@@ -217,9 +332,12 @@ def cmd_serve_bench(args, save) -> int:
         else:
             runs.append(run_paged(model, wl, clients, options, not args.no_progress))
             runs[-1].backend = "offline"
-            runs.append(
-                _server_run(model, tokenizer, wl, clients, options, False, args.stream_interval_ms)
-            )
+            if args.engine_process in ("off", "both"):
+                interval = args.stream_interval_ms
+                runs.append(_server_run(model, tokenizer, wl, clients, options, False, interval))
+            if args.engine_process in ("on", "both"):
+                load = child_loader(*load_args)
+                runs.append(_process_server_run(load, tokenizer, wl, clients, options))
         ms = [metrics(r) for r in runs]
         results.append({"workload": wl.summary(), "clients": clients, "metrics": ms})
         rows.append((wl.summary(), ms))
@@ -247,13 +365,16 @@ def format_rows(desc: str, rows) -> str:
             row += [_fmt(m["tpot_p50_ms"], 2), _fmt(m["tpot_p99_ms"], 2), _fmt(m["wall_s"], 2)]
             lines.append("| " + " | ".join(row) + " |")
         by = {m["backend"]: m for m in ms}
-        if "offline" in by and "server" in by:
-            off, srv = by["offline"], by["server"]
+        off = by.get("offline")
+        for name in ("server", "server-proc"):  # engine thread; engine process
+            if off is None or name not in by:
+                continue
+            srv = by[name]
             lines.append("")
             lines.append(
-                f"- server / offline: **{srv['output_tok_s'] / off['output_tok_s']:.2f}x** output "
-                f"tok/s; TPOT p50 {_fmt(srv['tpot_p50_ms'], 2)} vs {_fmt(off['tpot_p50_ms'], 2)} "
-                "ms"
+                f"- {name} / offline: **{srv['output_tok_s'] / off['output_tok_s']:.2f}x** "
+                f"output tok/s; TPOT p50 {_fmt(srv['tpot_p50_ms'], 2)} vs "
+                f"{_fmt(off['tpot_p50_ms'], 2)} ms"
             )
             lines.append(_engine_line(off, srv))
         lines.append("")
@@ -271,7 +392,7 @@ def _engine_line(off: dict, srv: dict) -> str:
         return "- engine: step counts not recorded"
     line = (
         f"- engine: offline {o['num_steps']} steps, {1000 * off['wall_s'] / o['num_steps']:.2f} "
-        f"ms/step{_per_step(' (CPU ', o.get('cpu_s'), o['num_steps'], ')')}; server "
+        f"ms/step{_per_step(' (CPU ', o.get('cpu_s'), o['num_steps'], ')')}; {srv['backend']} "
         f"{s['num_steps']} steps, {1000 * s['step_s'] / s['num_steps']:.2f} ms in step() per "
         f"step{_per_step(' (CPU ', s.get('step_cpu_s'), s['num_steps'], ')')}, "
         f"{s['num_handoffs']} hand-offs to the event loop"
@@ -289,8 +410,10 @@ def _engine_line(off: dict, srv: dict) -> str:
     if s.get("thread_cpu_s"):
         t = s["thread_cpu_s"]
         line += f"; CPU s: engine thread {t['engine']:.2f}, event loop {t['loop']:.2f}"
+    if s.get("engine_run_delay_s") is not None:
+        line += f"; engine process's loop waited {s['engine_run_delay_s']:.2f} s for a core"
     if "gc" in o and "gc" in s:
-        line += f"; GC pauses: offline {_gc(o['gc'])}, server {_gc(s['gc'])}"
+        line += f"; GC pauses: offline {_gc(o['gc'])}, {srv['backend']} {_gc(s['gc'])}"
     return line
 
 

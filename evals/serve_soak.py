@@ -5,17 +5,18 @@ tokenizer saved to a temporary folder, with --adapters random LoRA adapters serv
 or a model folder), keeps --clients concurrent clients
 busy for --minutes (soak_clients.py: streams read to the end, non-streamed n = 2, streams the
 client drops after the first event, bad requests), and every --interval seconds samples the
-server process's resident memory (/proc/PID/statm) and its /metrics (KV usage, running and
-waiting requests, sequences in flight).
+server process's resident memory (/proc/PID/statm; with --engine-process its engine process's
+too) and its /metrics (KV usage, running and waiting requests, sequences in flight).
 
 It passes (exit status 0) when all three hold:
 - no error: every request got what it should (soak_clients.py says what is checked);
 - drained: within 30 s of the clients stopping, /metrics shows no sequence in flight, nothing
   running or waiting and a KV usage of 0 (every block back in the pool);
-- flat memory (flat_memory): with the first fifth of the run as warm-up, the median RSS of the
-  last fifth is within 2% of the median of the fifth after the warm-up, and the least-squares
-  trend of RSS over everything after the warm-up, times its span, is within 2% of its mean (a
-  leak shows as a trend even when the two ends happen to land close).
+- flat memory (flat_memory; with --engine-process, in each process): with the first fifth of
+  the run as warm-up, the median RSS of the last fifth is within 2% of the median of the fifth
+  after the warm-up, and the least-squares trend of RSS over everything after the warm-up, times
+  its span, is within 2% of its mean (a leak shows as a trend even when the two ends happen to
+  land close).
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def add_parser(sub, common) -> None:
         "--engine-option", action="append", default=[], metavar="KEY=VALUE",
         help="an Engine option for the server (num_blocks=512, ...)",
     )  # fmt: skip
+    p.add_argument(
+        "--engine-process", action="store_true",
+        help="hf-paged serve --engine-process: the engine in a process of its own, whose memory "
+        "is watched too",
+    )  # fmt: skip
     p.set_defaults(run=cmd_serve_soak)
 
 
@@ -92,6 +98,21 @@ def _rss(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def engine_process_of(pid: int) -> int | None:
+    """The engine process `hf-paged serve --engine-process` (pid) spawned: its child started by
+    multiprocessing's spawn (not multiprocessing's resource tracker)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    return None
+
+
 def _get(url: str, path: str) -> bytes:
     req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {API_KEY}"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -108,11 +129,13 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _sample(url: str, pid: int, t: float) -> dict:
+def _sample(url: str, pid: int, t: float, engine_pid: int | None = None) -> dict:
     m = _metrics(url)
+    extra = {} if engine_pid is None else {"engine_rss_mib": round(_rss(engine_pid) / MIB, 2)}
     return {
         "t": round(t, 1),
         "rss_mib": round(_rss(pid) / MIB, 2),
+        **extra,
         "kv_usage": m["kv_cache_usage_perc"],
         "running": int(m["num_requests_running"]),
         "waiting": int(m["num_requests_waiting"]),
@@ -137,11 +160,14 @@ class _Server:
             cmd += ["--device-map", args.device]
         for option in args.engine_option:
             cmd += ["--engine-option", option]
+        if args.engine_process:
+            cmd += ["--engine-process"]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)}
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.engine_process, self.engine_pid = args.engine_process, None
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -150,6 +176,9 @@ class _Server:
                 raise EvalError(f"the server exited: {self.log_path.read_text()[-2000:]}")
             try:
                 _get(self.url, "/health")
+                self.engine_pid = engine_process_of(self.proc.pid) if self.engine_process else None
+                if self.engine_process and self.engine_pid is None:
+                    raise EvalError("--engine-process: the server has no engine process")
                 return
             except OSError:
                 time.sleep(0.5)
@@ -171,14 +200,18 @@ async def _soak(server: _Server, clients: SoakClients, args, seconds: float):
     t0 = time.monotonic()
     work = asyncio.ensure_future(clients.run(args.clients, seconds))
     while not work.done():
-        s = await asyncio.to_thread(_sample, server.url, server.proc.pid, time.monotonic() - t0)
+        s = await asyncio.to_thread(
+            _sample, server.url, server.proc.pid, time.monotonic() - t0, server.engine_pid
+        )
         samples.append(s)
         print(_row(s), flush=True)
         await asyncio.wait({work}, timeout=args.interval)
     tally = work.result()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
-        end = await asyncio.to_thread(_sample, server.url, server.proc.pid, time.monotonic() - t0)
+        end = await asyncio.to_thread(
+            _sample, server.url, server.proc.pid, time.monotonic() - t0, server.engine_pid
+        )
         if _drained(end) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
@@ -186,9 +219,10 @@ async def _soak(server: _Server, clients: SoakClients, args, seconds: float):
 
 
 def _row(s: dict) -> str:
+    engine = f" {s['engine_rss_mib']:.1f} |" if "engine_rss_mib" in s else ""
     return (
-        f"| {s['t']:.0f} | {s['rss_mib']:.1f} | {100 * s['kv_usage']:.1f} | {s['running']} | "
-        f"{s['waiting']} | {s['in_flight']} |"
+        f"| {s['t']:.0f} | {s['rss_mib']:.1f} |{engine} {100 * s['kv_usage']:.1f} | "
+        f"{s['running']} | {s['waiting']} | {s['in_flight']} |"
     )
 
 
@@ -248,23 +282,34 @@ def cmd_serve_soak(args, save) -> int:
                 f"## serve-soak: {args.model}{with_adapters}, {args.clients} clients, "
                 f"{args.minutes} min\n"
             )
-            print("| t s | RSS MiB | KV % | running | waiting | in flight |\n" + "|---" * 6 + "|")
+            cols = ["t s", "RSS MiB", "KV %", "running", "waiting", "in flight"]
+            if args.engine_process:  # the API process's RSS, then the engine process's
+                cols.insert(2, "engine RSS MiB")
+            print("| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|")
             samples, tally, end = asyncio.run(_soak(server, clients, args, seconds))
         finally:
             server.stop()
             server_log = server.log_path.read_text()[-4000:]
-    memory = flat_memory([s["t"] for s in samples], [s["rss_mib"] * MIB for s in samples], seconds)
+    times = [s["t"] for s in samples]
+    memory = flat_memory(times, [s["rss_mib"] * MIB for s in samples], seconds)
+    memories = [("", memory)]
+    if args.engine_process:  # each process flat on its own: a leak in one cannot hide
+        engine_rss = [s["engine_rss_mib"] * MIB for s in samples]
+        memories.append(("engine process ", flat_memory(times, engine_rss, seconds)))
     drained = _drained(end)
-    ok = memory["pass"] and drained and tally.num_errors == 0
+    ok = all(m["pass"] for _, m in memories) and drained and tally.num_errors == 0
     lines = [
         "",
         f"- requests as expected: {dict(tally.outcomes)} ({sum(tally.outcomes.values())} in all,"
         f" {tally.output_tokens} output tokens read)",
         f"- errors: {tally.num_errors}" + "".join(f"\n  - {e}" for e in tally.errors),
         f"- after the clients stopped: {_row(end)} -> {'drained' if drained else 'NOT drained'}",
-        f"- memory: RSS {memory['early_mib']:.1f} MiB after warm-up, {memory['late_mib']:.1f} "
-        f"MiB at the end ({memory['growth_pct']:+.2f}%), trend {memory['trend_pct']:+.2f}% "
-        f"({memory['rule']}) -> {'flat' if memory['pass'] else 'NOT flat'}",
+        *(
+            f"- {who}memory: RSS {m['early_mib']:.1f} MiB after warm-up, {m['late_mib']:.1f} "
+            f"MiB at the end ({m['growth_pct']:+.2f}%), trend {m['trend_pct']:+.2f}% "
+            f"({m['rule']}) -> {'flat' if m['pass'] else 'NOT flat'}"
+            for who, m in memories
+        ),
         f"- verdict: **{'PASS' if ok else 'FAIL'}**",
     ]
     print("\n".join(lines), flush=True)
@@ -272,6 +317,7 @@ def cmd_serve_soak(args, save) -> int:
         print(f"\nserver log (tail):\n{server_log}")
     payload = {
         "argv": sys.argv, "samples": samples, "end": end, "memory": memory, "drained": drained,
+        "engine_memory": memories[1][1] if len(memories) > 1 else None,
         "outcomes": dict(tally.outcomes), "errors": tally.errors, "num_errors": tally.num_errors,
         "output_tokens": tally.output_tokens, "pass": ok,
     }  # fmt: skip

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import string
-import time
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -56,6 +55,16 @@ def load_evals():
     return run
 
 
+def evals_call(module: str, name: str, *args):
+    """`hf_paged_evals.<module>.<name>(*args)`, evals/ loaded first as load_evals() does: how a
+    spawned process (serve-bench's engine process) runs evals code, which is not installed
+    (functools.partial(evals_call, ...) pickles; a function of hf_paged_evals does not)."""
+    import importlib
+
+    load_evals()
+    return getattr(importlib.import_module(f"hf_paged_evals.{module}"), name)(*args)
+
+
 def drive_engine(engine, ops: list) -> dict[str, list[int]]:
     """Replay an op list (("add", prompt, params, priority), ("step",), ("abort", index)) and
     run to the end, checking block accounting and the seat limit throughout; tokens of every
@@ -89,12 +98,13 @@ def drive_engine(engine, ops: list) -> dict[str, list[int]]:
     return tokens
 
 
-def check_served_idle(engine, front, timeout: float = 20.0) -> None:
-    """After a server test: wait until neither the engine nor the async front holds a request,
-    then check the engine's invariants and that every KV block is back in the pool."""
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests() or front.num_in_flight:
-        assert time.monotonic() < deadline, "requests left in the engine"
-        time.sleep(0.01)
-    engine.check_invariants()
-    assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
+def check_served_idle(front, timeout: float = 20.0) -> None:
+    """After a server test: wait until neither the engine nor the front (AsyncEngine, or
+    EngineProcess for an engine process) holds a request, then check the engine's invariants
+    and that every KV block is back in the pool."""
+    front.check_idle(timeout)
+
+
+def engine_stats(front) -> dict:
+    """The engine's stats now (an engine process is asked, not read from its last push)."""
+    return front.call("stats") if hasattr(front, "call") else front.stats()

@@ -190,6 +190,28 @@ def test_generate_batch_with_one_bad_prompt_adds_nothing(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_add_requests_queues_all_or_nothing_under_the_callers_ids(engine):
+    """Engine.add_requests (the engine process's entry): every prompt validated before any is
+    queued, the caller's ids kept, each prompt's n - 1 siblings named by sibling_request_id;
+    step() reports every token under those ids, the same tokens generate() gives."""
+    from hf_paged.request_ids import sibling_request_id
+
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_requests([_prompt(5), []], SamplingParams(max_tokens=2), ["a", "b"])
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="request_ids"):
+        engine.add_requests([_prompt(5)], SamplingParams(max_tokens=2), ["a", "b"])
+    params = SamplingParams(max_tokens=4, temperature=0.0, n=2)
+    ids = engine.add_requests([_prompt(5), _prompt(7, 1)], params, ["a", "b"])
+    assert ids == ["a", sibling_request_id("a", 1), "b", sibling_request_id("b", 1)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    want = engine.generate([_prompt(5), _prompt(7, 1)], params)
+    assert list(tokens.values()) == [out.output_token_ids for out in want]
+
+
 def test_bad_engine_options(tiny_model):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="block_size"):

@@ -8,7 +8,6 @@ import asyncio
 import http.client
 import json
 import sys
-import time
 
 import openai
 import pytest
@@ -16,9 +15,10 @@ import torch
 
 from hf_paged.engine.engine import Engine
 from hf_paged.entrypoints.api_server import build_app
+from hf_paged.entrypoints.serve import build, build_parser, engine_options
 from hf_paged.entrypoints.server_thread import ServerThread
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.testing import check_served_idle, tiny_tokenizer
+from hf_paged.testing import check_served_idle, engine_stats, tiny_tokenizer
 
 
 def build_model(arch: str):
@@ -32,15 +32,31 @@ OPTIONS = dict(num_blocks=256, max_num_seqs=64, max_model_len=128)
 PROMPTS = ["hello world", "the quick brown fox", "a", "once upon a time there was"]
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request, tmp_path_factory):
+    """The server in both modes: the engine loop in a thread of the HTTP process, and the
+    engine in a process of its own (--engine-process) that loads the same seeded weights from
+    a folder. Yields (the server, its front)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: more threads only wait for the shared cores
-    engine = Engine(build_model("llama"), tiny_tokenizer(), **OPTIONS)
-    app = build_app(engine, MODEL, api_key=KEY)
-    with ServerThread(app) as server:
-        yield engine, server, app.state.front
-    torch.set_num_threads(threads)
+    if request.param == "thread":
+        engine = Engine(build_model("llama"), tiny_tokenizer(), **OPTIONS)
+        app = build_app(engine, MODEL, api_key=KEY)
+    else:
+        folder = tmp_path_factory.mktemp("served")
+        build_model("llama").save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+        argv = [str(folder), "--served-model-name", MODEL, "--api-key", KEY, "--engine-process"]
+        argv += [f"--engine-option={k}={v}" for k, v in OPTIONS.items()]
+        args = build_parser().parse_args(argv)
+        engine, app = build(args, engine_options(args))
+    try:
+        with ServerThread(app) as server:
+            yield server, app.state.front
+    finally:
+        if request.param == "process":
+            engine.close()
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +67,15 @@ def offline():
 
 @pytest.fixture
 def client(served):
-    _, server, _ = served
+    server, _ = served
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-
-
-def wait_idle(engine, front, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests() or front.num_in_flight:
-        assert time.monotonic() < deadline, "requests left in the engine"
-        time.sleep(0.01)
 
 
 @pytest.fixture(autouse=True)
 def nothing_left(served):
     yield
-    engine, _, front = served
-    check_served_idle(engine, front)
+    _, front = served
+    check_served_idle(front)
     assert front.alive
 
 
@@ -221,7 +230,7 @@ def test_logprobs(client):
 
 
 def test_models_health_metrics(served, client):
-    engine, server, _ = served
+    server, _ = served
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert raw(server, "GET", "/health", auth=False)[0] == 200  # no key needed
@@ -242,7 +251,7 @@ def test_models_health_metrics(served, client):
 
 
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(served, client):
-    _, server, _ = served
+    server, _ = served
     bad = [
         # (kwargs, exception, param)
         (dict(extra_body={"logit_bias": {"5": 10}}), openai.BadRequestError, "logit_bias"),
@@ -286,8 +295,8 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(served, client):
 
 
 def test_disconnect_aborts_and_frees_blocks(served, client):
-    engine, _, front = served
-    steps0 = engine.num_steps
+    _, front = served
+    steps0 = engine_stats(front)["num_steps"]
     streams = [
         client.completions.create(
             model=MODEL,
@@ -301,17 +310,18 @@ def test_disconnect_aborts_and_frees_blocks(served, client):
     ]
     for s in streams:
         next(iter(s))  # the request runs
-    assert engine.kv.get_num_free_blocks() < engine.kv.num_blocks
+    stats = engine_stats(front)
+    assert stats["free_blocks"] < stats["num_blocks"]
     for s in streams:
         s.close()  # the client goes away mid-stream
-    wait_idle(engine, front)  # nothing_left checks the blocks
-    assert engine.num_steps - steps0 < 100, "the requests ran to the end: not aborted"
+    check_served_idle(front)  # every block back in the pool
+    assert engine_stats(front)["num_steps"] - steps0 < 100, "ran to the end: not aborted"
 
 
 def test_many_concurrent_streams_some_disconnecting(served, offline):
     """200 streaming clients at once, every fifth hanging up after its second chunk: the others
     get exactly the offline engine's greedy text; nothing is left behind."""
-    engine, server, front = served
+    server, front = served
     prompts = [f"request number {i} says {'ab' * (i % 7)}" for i in range(200)]
     expected = offline_texts(offline, prompts, SamplingParams(max_tokens=16, temperature=0))
 
@@ -338,4 +348,4 @@ def test_many_concurrent_streams_some_disconnecting(served, offline):
     for i, (got, want) in enumerate(zip(results, expected)):
         if i % 5:
             assert got == want, i
-    wait_idle(engine, front)
+    check_served_idle(front)

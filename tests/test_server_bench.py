@@ -52,3 +52,26 @@ def test_serve_bench_bad_engine_option(tmp_path, capsys):
     argv = ["serve-bench", "--model", "tiny", "--engine-option", "nonsense", "--out", str(tmp_path)]
     assert run.main(argv) == 2
     assert "--engine-option" in capsys.readouterr().err
+
+
+def test_serve_bench_engine_process(tmp_path, capsys):
+    """--engine-process both: the engine-thread server and the engine-process server, each
+    next to the offline engine, every token of every request at its client."""
+    argv = ["serve-bench", "--model", "tiny", "--dataset", "synthetic", "--limit", "6"]
+    argv += ["--max-new-tokens", "5", "--clients", "4", "--out", str(tmp_path), "--no-progress"]
+    assert run.main([*argv, "--engine-process", "both"]) == 0
+    out = capsys.readouterr().out
+    assert "- server / offline" in out and "- server-proc / offline" in out
+    (path,) = tmp_path.glob("serve-bench-*.json")
+    (result,) = json.loads(path.read_text())["results"]
+    runs = {m["backend"]: m for m in result["metrics"]}
+    assert set(runs) == {"offline", "server", "server-proc"}
+    proc = runs["server-proc"]
+    assert proc["num_requests"] == 6 and proc["output_tok_s"] > 0
+    extra = proc["extra"]
+    assert extra["engine_process"] and extra["engine_stats"]["num_running"] == 0
+    assert extra["engine_stats"]["free_blocks"] == extra["engine_stats"]["num_blocks"]
+    # the child's loop: the clients' steps only (its warm-up left out), some output messages
+    assert 5 <= extra["num_steps"] and 1 <= extra["num_handoffs"]
+    assert extra["step_s"] >= extra["step_cpu_s"] > 0
+    assert extra["thread_cpu_s"]["engine"] >= extra["step_cpu_s"] * 0.9

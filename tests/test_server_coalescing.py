@@ -79,7 +79,7 @@ def test_a_stream_behind_a_blocked_event_loop_gets_coalesced_deltas(engine):
         # the response has started; hold the event loop while the engine makes every token
         front._loop.call_soon_threadsafe(time.sleep, 1.5)
         texts, counts, tokens, usage = streamed(stream)
-        check_served_idle(engine, front)
+        check_served_idle(front)
     for i in range(2):
         assert "".join(texts[i]) == want_texts[i]
         assert tokens[i] == want_tokens[i]
@@ -114,7 +114,7 @@ def test_paced_hand_offs_coalesce_and_equal_the_whole_response(engine):
             )  # fmt: skip
             if c.choices
         ]
-        check_served_idle(engine, front)
+        check_served_idle(front)
     for i in range(2):
         assert "".join(texts[i]) == want_texts[i]
         assert tokens[i] == want_tokens[i]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -146,8 +147,29 @@ def test_queue_full_is_429_and_the_server_recovers():
     assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
 
 
-def test_serve_command(tmp_path):
-    """`python -m hf_paged.entrypoints.serve FOLDER`: a saved model folder served end to end."""
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["thread", "process"])
+def test_serve_command(tmp_path, mode):
+    """`python -m hf_paged.entrypoints.serve FOLDER`: a saved model folder served end to end;
+    with --engine-process, the engine process is gone once the server stopped."""
     folder = tmp_path / "model"
     build_model("llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
@@ -156,6 +178,7 @@ def test_serve_command(tmp_path):
     cmd = [sys.executable, "-m", "hf_paged.entrypoints.serve", str(folder)]
     cmd += ["--port", str(port), "--api-key", "k", "--served-model-name", "tiny"]
     cmd += ["--engine-option", "num_blocks=64", "--log-level", "warning"]
+    cmd += mode
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
@@ -172,9 +195,15 @@ def test_serve_command(tmp_path):
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5
         )
         assert r.usage.completion_tokens >= 1
+        children = _children(proc.pid)  # the engine process (and multiprocessing's tracker)
+        assert bool(children) == bool(mode), children
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in children):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.05)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal it caught
     assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read().decode()[-2000:]
 

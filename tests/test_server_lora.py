@@ -54,16 +54,21 @@ def _args(folders, *extra):
     return build_parser().parse_args(argv)
 
 
-@pytest.fixture(scope="module")
-def served(folders):
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(folders, request):
+    """The command's server in both modes (--engine-process: the engine process loads the base
+    model and its adapters from the folders)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    args = _args(folders, "--engine-option", "max_loras=1")  # two adapters, one slot
+    process = ["--engine-process"] if request.param == "process" else []
+    args = _args(folders, "--engine-option", "max_loras=1", *process)  # two adapters, one slot
     engine, app = build(args, engine_options(args))
-    with ServerThread(app) as server:
-        yield engine, server, app.state.front
-    engine.shutdown()
-    torch.set_num_threads(threads)
+    try:
+        with ServerThread(app) as server:
+            yield engine, server, app.state.front
+    finally:
+        engine.close() if process else engine.shutdown()
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +90,7 @@ def nothing_left(request):
     if "served" not in request.fixturenames:
         return
     engine, _, front = request.getfixturevalue("served")
-    check_served_idle(engine, front)
+    check_served_idle(front)
     assert front.alive
 
 

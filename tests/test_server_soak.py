@@ -38,16 +38,20 @@ def test_flat_memory_rule():
         flat_memory([0, 1], [1.0, 1.0], 300)  # too few samples: no verdict
 
 
-def test_short_soak(tmp_path, capsys):
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["thread", "process"])
+def test_short_soak(tmp_path, capsys, mode):
     pytest.importorskip("peft")
     argv = ["serve-soak", "--minutes", "0.3", "--clients", "3", "--interval", "1.5"]
     argv += ["--adapters", "2"]  # requests spread over the base and two LoRA adapters
-    argv += ["--out", str(tmp_path)]
+    argv += ["--out", str(tmp_path), *mode]
     assert run.main(argv) == 0, capsys.readouterr().out
     (path,) = tmp_path.glob("serve-soak-*.json")
     result = json.loads(path.read_text())
     assert result["pass"] and result["num_errors"] == 0 and result["drained"]
     assert result["memory"]["pass"]
+    if mode:  # the engine process's memory watched too
+        assert result["engine_memory"]["pass"]
+        assert all(s["engine_rss_mib"] > 0 for s in result["samples"])
     # every kind of request ran, and the sampler saw work in flight
     assert set(result["outcomes"]) == {"stream", "full", "disconnect", "bad"}
     assert max(s["in_flight"] for s in result["samples"]) > 0

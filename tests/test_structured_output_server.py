@@ -4,6 +4,7 @@ field, and nothing is left in the engine."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -17,6 +18,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from hf_paged.engine.engine import Engine  # noqa: E402
 from hf_paged.entrypoints.api_server import build_app  # noqa: E402
+from hf_paged.entrypoints.core_messages import EngineSpec  # noqa: E402
+from hf_paged.entrypoints.engine_client import EngineProcess  # noqa: E402
+from hf_paged.entrypoints.serve import build_parser, load, load_tokenizer  # noqa: E402
 from hf_paged.entrypoints.server_thread import ServerThread  # noqa: E402
 
 KEY = "test-key"
@@ -29,23 +33,32 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request, tmp_path_factory):
+    """(the front, the server), the engine in this process or in one of its own."""
     import tests.test_structured_output as structured  # the JSON-capable tokenizer
 
     conftest = sys.modules["tests.conftest"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(
-        conftest.build_model("llama"),
-        structured.json_tokenizer(),
-        num_blocks=128,
-        max_num_seqs=16,
-        max_model_len=160,
-    )
-    with ServerThread(build_app(engine, MODEL, api_key=KEY)) as server:
-        yield engine, server
-    torch.set_num_threads(threads)
+    options = dict(num_blocks=128, max_num_seqs=16, max_model_len=160)
+    if request.param == "thread":
+        engine = Engine(conftest.build_model("llama"), structured.json_tokenizer(), **options)
+    else:
+        folder = tmp_path_factory.mktemp("structured")
+        conftest.build_model("llama").save_pretrained(folder)
+        structured.json_tokenizer().save_pretrained(folder)
+        args = build_parser().parse_args([str(folder), "--engine-process"])
+        spec = EngineSpec(functools.partial(load, args), options)
+        engine = EngineProcess(spec, load_tokenizer(args))
+    app = build_app(engine, MODEL, api_key=KEY)
+    try:
+        with ServerThread(app) as server:
+            yield app.state.front, server
+    finally:
+        if request.param == "process":
+            engine.close()
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -58,7 +71,7 @@ def clean(s: str) -> str:
 
 
 def test_response_format_and_guided_fields(served, client):
-    engine, _ = served
+    front, _ = served
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
     chat = client.chat.completions.create(
         model=MODEL,
@@ -89,8 +102,7 @@ def test_response_format_and_guided_fields(served, client):
         model=MODEL, prompt="x", max_tokens=4, extra_body={"response_format": {"type": "text"}}
     )
     assert plain.usage.completion_tokens >= 1
-    assert not engine.has_unfinished_requests()
-    engine.check_invariants()
+    front.check_idle()
 
 
 @pytest.mark.parametrize(
@@ -109,11 +121,10 @@ def test_response_format_and_guided_fields(served, client):
     ],
 )
 def test_bad_constraints_are_400_naming_the_field(served, client, body, param):
-    engine, _ = served
+    front, _ = served
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=body)
     assert info.value.body["param"] == param, info.value.body
     ok = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
-    assert not engine.has_unfinished_requests()
-    engine.check_invariants()
+    front.check_idle()

@@ -7,6 +7,7 @@ token rate is the GPU's and not a CPU forward's.
 
     python evals/profiling/serve_overhead.py [--clients 256] [--new-tokens 128] [--gpu-ms 2]
         [--gpu-us-per-token 0] [--prompt-len 8,24] [--stream-interval-ms 0.5,0]
+        [--engine-process]
 
 Per run: output tok/s, TPOT p50, TTFT p50, the engine's steps with the wall time and the engine
 thread's CPU time inside step() per step, and serve-bench's engine line (the steps while
@@ -14,7 +15,8 @@ requests still arrived apart, the CPU seconds of the engine loop thread and the 
 garbage collector's pauses); then the time in step() per step split into the engine thread's
 CPU, the stub's sleep, its wait for a core (Linux's run delay: a busy machine's) and what is
 left, its wait for the GIL. A 2-layer, 64-wide Llama with a 256-token vocabulary stands in for
-the model.
+the model. --engine-process adds a server run with the engine (and the stub) in a process of its
+own (`hf-paged serve --engine-process`); its engine line is that process's step loop.
 """
 
 from __future__ import annotations
@@ -77,6 +79,20 @@ def _stub_forward(gpu_s: float, per_token_s: float, vocab: int, waits: list):
     return forward
 
 
+def stub_model(gpu_s: float, per_token_s: float):
+    """The engine process's (model, tokenizer) with --engine-process: the tiny model with the
+    stub forward installed there (this process's patch does not cross processes)."""
+    from hf_paged_evals.serve_bench import tiny_model
+
+    from hf_paged.worker.model_forward import ModelForward
+
+    torch.set_num_threads(1)
+    model, tokenizer = tiny_model()
+    waits = [StepWaits()]  # not reported: the engine process's loop reports its own steps
+    ModelForward._call_model = _stub_forward(gpu_s, per_token_s, model.config.vocab_size, waits)
+    return model, tokenizer
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=256)
@@ -88,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--prompt-len", default="8,24", help="prompt tokens: MIN,MAX (W1: 66,511)")
     p.add_argument("--stream-interval-ms", default="0.5,0", help="server runs: a comma list")
+    p.add_argument(
+        "--engine-process", action="store_true",
+        help="and a server run with the engine in a process of its own (the stub there too)",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     import bench_setup  # noqa: F401 (evals/ as the package hf_paged_evals)
@@ -144,6 +164,22 @@ def main(argv: list[str] | None = None) -> None:
         )
         print("  " + _engine_line(m_off, m)[2:])
         print("  " + waits[0].line())
+    if args.engine_process:
+        import functools
+
+        from hf_paged_evals.serve_bench import _process_server_run
+
+        from hf_paged.testing import evals_call
+
+        stub = (args.gpu_ms / 1000, args.gpu_us_per_token / 1e6)
+        load = functools.partial(evals_call, "profiling.serve_overhead", "stub_model", *stub)
+        m = metrics(_process_server_run(load, tokenizer, wl, args.clients, options))
+        print(
+            f"engine process          {m['output_tok_s']:9,.0f} tok/s  TPOT p50 "
+            f"{m['tpot_p50_ms']:6.2f} ms  TTFT p50 {m['ttft_p50_ms']:7.1f} ms  "
+            f"({m['output_tok_s'] / base:.2f}x)"
+        )
+        print("  " + _engine_line(m_off, m)[2:])
 
 
 if __name__ == "__main__":

@@ -303,19 +303,43 @@ class Engine:
         time one of these requests gets a token (new_token_ids; finished=True on its last), many
         interleaved. `.request_ids`: input order (siblings of n > 1 after their first). Closing
         it early aborts the unfinished ones; bad input raises ValueError, nothing queued."""
+        groups = self._make_groups(prompts, params, None)
+        requests = [r for group in groups for r in group]
+        stream = RequestStream(self, [r.request_id for r in requests], coalesce)
+        self._submit(requests, partial(self._admit_groups, groups), stream)
+        return stream
+
+    def add_requests(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Queue several prompts at once, with no stream (the caller reads step()'s outputs):
+        every prompt is validated before any is queued (a ValueError queues nothing). Returns
+        the ids in input order, each prompt's n - 1 siblings after it (sibling_request_id)."""
+        groups = self._make_groups(prompts, params, request_ids)
+        requests = [r for group in groups for r in group]
+        self._submit(requests, partial(self._admit_groups, groups))
+        return [r.request_id for r in requests]
+
+    def _make_groups(self, prompts, params, request_ids) -> list[list[Request]]:
         if isinstance(prompts, (str, torch.Tensor)):
             raise ValueError("prompts must be a list of prompts (a list of one for one prompt)")
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        if request_ids is None:
+            request_ids = [None] * len(prompts)
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"request_ids: {len(request_ids)} given for {len(prompts)} prompts")
         self._check_open()
         # every prompt validated before any is queued; a group is one prompt and its siblings
-        groups = [self.inputs.make_requests(prompt, p) for prompt, p in zip(prompts, params)]
-        requests = [r for group in groups for r in group]
-        stream = RequestStream(self, [r.request_id for r in requests], coalesce)
-        self._submit(requests, partial(self._admit_groups, groups), stream)
-        return stream
+        return [
+            self.inputs.make_requests(prompt, p, rid)
+            for prompt, p, rid in zip(prompts, params, request_ids)
+        ]
 
     def _admit_groups(self, groups: list[list[Request]]) -> None:
         for group in groups:

@@ -16,6 +16,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.core.request import Request
 from hf_paged.engine.stop_checker import build_stop_checkers
+from hf_paged.request_ids import sibling_request_id
 from hf_paged.sampling_params import (
     F_PRESENCE,
     F_RENORM,
@@ -114,7 +115,7 @@ class InputProcessor:
         grammar = self._grammar(params, stop) if params.structured is not None else None
         requests = []
         for index in range(params.n):
-            rid = request_id if index == 0 else f"{request_id}#{index}"
+            rid = sibling_request_id(request_id, index)
             generator = None
             if params.seed is not None:  # sibling k: its own stream, derived from the seed
                 seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)

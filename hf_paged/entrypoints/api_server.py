@@ -21,8 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hf_paged.engine.engine import Engine
-from hf_paged.entrypoints.async_engine import STREAM_INTERVAL_S, AsyncEngine
+from hf_paged.entrypoints.engine_client import EngineProcess
 from hf_paged.entrypoints.metrics import ServerMetrics
 from hf_paged.entrypoints.protocol import (
     APIError,
@@ -33,7 +32,6 @@ from hf_paged.entrypoints.protocol import (
 from hf_paged.entrypoints.serving import OpenAIServing
 from hf_paged.entrypoints.serving_chat import ChatRun
 from hf_paged.entrypoints.serving_completion import CompletionRun
-from hf_paged.lora.layers import adapter_names
 
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt max_model_len allows
 
@@ -128,6 +126,16 @@ async def _full_or_abort(request: Request, run):
         run.close()
 
 
+async def _admitted(serving: OpenAIServing, run):
+    """The run, once the engine accepted its requests (an APIError if it refused them)."""
+    try:
+        await serving.admitted(run.handle)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
     # an unknown field first: that is the one the client most needs to hear about
@@ -146,10 +154,10 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return _error(400, f"{param}: {e.get('msg')}" if param else str(e.get("msg")), param)
 
 
-def _check_adapters(engine: Engine, model_name: str, adapters: dict[str, str]) -> None:
+def _check_adapters(front, model_name: str, adapters: dict[str, str]) -> None:
     if not adapters:
         return
-    known = adapter_names(engine.model)
+    known = front.adapter_names
     missing = sorted(set(adapters.values()) - known)
     if missing:
         raise ValueError(
@@ -160,19 +168,27 @@ def _check_adapters(engine: Engine, model_name: str, adapters: dict[str, str]) -
 
 
 def build_app(
-    engine: Engine,
+    engine,
     model_name: str,
     api_key: str | None = None,
     max_queued: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
     adapters: dict[str, str] | None = None,
-    stream_interval_s: float = STREAM_INTERVAL_S,
+    stream_interval_s: float | None = None,
 ) -> FastAPI:
-    """stream_interval_s: the engine hands outputs to the HTTP side at most once per this many
-    seconds per live stream (AsyncEngine's pacing; 0: after every step)."""
+    """engine: an Engine (served by an engine loop thread in this process: AsyncEngine) or an
+    EngineProcess (the engine in a process of its own; it was given max_queued itself).
+    stream_interval_s: the engine thread hands outputs to the HTTP side at most once per this
+    many seconds per live stream (None: AsyncEngine's default; 0: after every step)."""
     adapters = dict(adapters or {})
-    _check_adapters(engine, model_name, adapters)
-    front = AsyncEngine(engine, max_queued=max_queued, stream_interval_s=stream_interval_s)
+    if isinstance(engine, EngineProcess):
+        front = engine
+    else:
+        from hf_paged.entrypoints.async_engine import AsyncEngine
+
+        pacing = {} if stream_interval_s is None else {"stream_interval_s": stream_interval_s}
+        front = AsyncEngine(engine, max_queued=max_queued, **pacing)
+    _check_adapters(front, model_name, adapters)
     serving = OpenAIServing(front, model_name, adapters)
     metrics = ServerMetrics(front, model_name)
     created = int(time.time())
@@ -224,20 +240,20 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus():
-        # Engine.stats() waits for a step in progress: off the event loop
+        # Engine.stats() waits for a step in progress (one process): off the event loop
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         serving.adapter_of(body.model)  # an unknown model is a 404 before anything else
-        run = CompletionRun(serving, body)
+        run = await _admitted(serving, CompletionRun(serving, body))
         return _RunStream(run) if body.stream else await _full_or_abort(request, run)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         serving.adapter_of(body.model)
-        run = ChatRun(serving, body)
+        run = await _admitted(serving, ChatRun(serving, body))
         return _RunStream(run) if body.stream else await _full_or_abort(request, run)
 
     return app

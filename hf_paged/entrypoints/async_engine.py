@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from hf_paged.core.request import RequestOutput
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.stream import RequestStream
+from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S, EngineDead, QueueFull
+from hf_paged.lora.layers import adapter_names
 from hf_paged.sampling_params import SamplingParams
 
-# the pacing of hand-offs to the event loop: seconds per live stream (see the module docstring)
-STREAM_INTERVAL_S = 0.0005
 # the interpreter's switch interval while serving (Python's default is 5 ms)
 SWITCH_INTERVAL_S = 0.0002
 
@@ -69,14 +69,6 @@ class _SwitchInterval:
 _switch_interval = _SwitchInterval()
 
 
-class QueueFull(Exception):
-    """More sequences asked for than the waiting queue holds."""
-
-
-class EngineDead(Exception):
-    """The engine loop stopped on an exception: nothing can be served."""
-
-
 class RequestHandle:
     """One HTTP request's engine requests: their outputs, in arrival order, batch by batch."""
 
@@ -94,6 +86,9 @@ class RequestHandle:
     @property
     def finished(self) -> bool:
         return not self._unfinished
+
+    async def admitted(self) -> None:
+        """Engine.stream validated the requests in submit(): nothing to wait for."""
 
     def _wake(self) -> None:  # on the event loop, after a step delivered to our stream
         self._event.set()
@@ -153,6 +148,11 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
+        # what one sequence can hold: the smaller of the model length and the whole KV cache
+        self.max_seq_tokens = min(
+            self.max_model_len, engine.kv.num_blocks * engine.config.block_size
+        )
+        self.adapter_names = adapter_names(engine.model)  # a PeftModel's LoRA adapters
         self.capacity = engine.config.max_num_seqs + max_queued
         if not stream_interval_s >= 0:
             raise ValueError(f"stream_interval_s: must be >= 0, got {stream_interval_s}")
@@ -208,6 +208,21 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """Engine.stats(): waits for a step in progress (call it off the event loop)."""
+        return self.engine.stats()
+
+    def check_idle(self, timeout_s: float = 20.0) -> None:
+        """Wait until neither the engine nor this front holds a request, then check the
+        engine's invariants and that every KV block is back in the pool (tests)."""
+        engine = self.engine
+        deadline = time.monotonic() + timeout_s
+        while engine.has_unfinished_requests() or self.num_in_flight:
+            assert time.monotonic() < deadline, "requests left in the engine"
+            time.sleep(0.01)
+        engine.check_invariants()
+        assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -10,21 +10,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hf_paged.core.request import RequestOutput
-from hf_paged.entrypoints.async_engine import AsyncEngine
-
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class _EngineCollector:
-    """Gauges read from Engine.stats() when scraped (it waits for a step in progress)."""
+    """Gauges read from the front's stats() when scraped (in one process Engine.stats(), which
+    waits for a step in progress; with an engine process the stats it last pushed)."""
 
-    def __init__(self, front: AsyncEngine) -> None:
+    def __init__(self, front) -> None:
         self.front = front
 
     def collect(self):
-        stats = self.front.engine.stats()
+        stats = self.front.stats()
         gauges = {
             "num_requests_running": ("requests in the running batch", stats["num_running"]),
             "num_requests_waiting": ("requests waiting for a seat", stats["num_waiting"]),
@@ -54,7 +52,7 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, front: AsyncEngine, model_name: str) -> None:
+    def __init__(self, front, model_name: str) -> None:
         self.registry = registry = CollectorRegistry()
         labels = ["model_name"]
         self.prompt_tokens = Counter(
@@ -85,8 +83,9 @@ class ServerMetrics:
         self.model_name = model_name
         front.on_finished.append(self.record)
 
-    def record(self, out: RequestOutput, model_name: str | None = None) -> None:
-        """A request finished (called on the event loop, once per request); model_name: the
+    def record(self, out, model_name: str | None = None) -> None:
+        """A request finished (a RequestOutput or engine_client's CoreOutput, on the event loop,
+        once per request); model_name: the
         served name it asked for (an adapter's own), the label of its counts."""
         name = model_name or self.model_name
         num_out = out.num_tokens - len(out.prompt_token_ids)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import gc
 import sys
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
-from hf_paged.entrypoints.async_engine import STREAM_INTERVAL_S
+from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -112,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine hands tokens to the HTTP side at most once per this many ms per live "
         "stream (256 streams: every ~128 ms, many tokens per chunk); 0: after every step",
     )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine (scheduler, model, step loop) in a process of its own, which loads "
+        "the model; this process serves HTTP, tokenizes and detokenizes, so neither takes the "
+        "GIL from the other",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -145,7 +153,7 @@ def model_engine_options(args) -> dict:
 
 def load(args):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     kwargs = {}
     if args.dtype != "auto":
@@ -169,26 +177,49 @@ def load(args):
         model = PeftModel.from_pretrained(model, path, adapter_name=first).eval()
         for name, path in rest:
             model.load_adapter(path, adapter_name=name)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    return model, tokenizer
+    return model, load_tokenizer(args)
+
+
+def load_tokenizer(args):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(args.tokenizer or args.model)
 
 
 def build(args, options: dict):
-    """The Engine and the app the command serves (engine_options(args) checked first)."""
-    from hf_paged.engine.engine import Engine
+    """The engine and the app the command serves (engine_options(args) checked first): an
+    Engine, or with --engine-process an EngineProcess that loaded the model in its process
+    (close() ends it; EngineStartError if it could not start)."""
     from hf_paged.entrypoints.api_server import build_app
 
-    model, tokenizer = load(args)
-    engine = Engine(model, tokenizer, **options)
-    app = build_app(
-        engine,
-        args.served_model_name or args.model,
-        api_key=args.api_key,
-        max_queued=args.max_queued,
-        max_body_bytes=args.max_body_bytes,
-        adapters={name: name for name, _ in args.lora},  # loaded under their served names
-        stream_interval_s=args.stream_interval_ms / 1000,
-    )
+    if getattr(args, "engine_process", False):
+        from hf_paged.entrypoints.core_messages import EngineSpec
+        from hf_paged.entrypoints.engine_client import EngineProcess
+
+        engine = EngineProcess(
+            EngineSpec(functools.partial(load, args), options),
+            load_tokenizer(args),
+            max_queued=args.max_queued,
+        )
+    else:
+        from hf_paged.engine.engine import Engine
+
+        model, tokenizer = load(args)
+        engine = Engine(model, tokenizer, **options)
+    try:
+        app = build_app(
+            engine,
+            args.served_model_name or args.model,
+            api_key=args.api_key,
+            max_queued=args.max_queued,
+            max_body_bytes=args.max_body_bytes,
+            adapters={name: name for name, _ in args.lora},  # loaded under their served names
+            stream_interval_s=args.stream_interval_ms / 1000,
+        )
+    except BaseException:
+        if hasattr(engine, "close"):  # an engine process: it ends with the refusal
+            engine.close()
+        raise
     return engine, app
 
 
@@ -213,14 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from hf_paged.entrypoints.engine_client import EngineProcess, EngineStartError
+
     try:
         engine, app = build(args, options)
-    except ValueError as exc:  # what the engine refuses (a LoRA variant, ...), after loading
+    except (ValueError, EngineStartError) as exc:  # what the engine refuses, after loading
         print(f"error: {exc}", file=sys.stderr)
         return 2
     gc.freeze()  # the model's heap lives as long as the server: no collection scans it
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    engine.shutdown()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if isinstance(engine, EngineProcess):
+            engine.close()
+        else:
+            engine.shutdown()
     return 0
 
 

@@ -16,9 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from hf_paged.core.request import RequestOutput
-from hf_paged.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, RequestHandle
 from hf_paged.entrypoints.detokenizer import IncrementalDetokenizer, final_text
+from hf_paged.entrypoints.fronts import EngineDead, QueueFull
 from hf_paged.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from hf_paged.sampling_params import SamplingParams
 
@@ -30,6 +29,16 @@ _API_NAMES = {"stop_strings": "stop", "prompt": "prompt"}
 def _param_of(message: str) -> str | None:
     m = _FIELD.match(message)
     return _API_NAMES.get(m.group(1), m.group(1)) if m else None
+
+
+def _submit_error(exc: Exception) -> APIError:
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), None, "rate_limit_error", "queue_full")
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), None, "server_error", "engine_dead")
+    if "max_loras" in str(exc):  # more adapters live than slots: a retry later runs
+        return APIError(429, str(exc), "model", "rate_limit_error", "too_many_adapters")
+    return APIError(400, str(exc), _param_of(str(exc)))
 
 
 @dataclass(slots=True)
@@ -44,21 +53,17 @@ class Choice:
 
 
 class OpenAIServing:
-    """adapters: served name -> the PeftModel's LoRA adapter it runs; model_name runs the base."""
+    """front: an AsyncEngine (engine loop thread) or an EngineProcess (engine process), same
+    interface; adapters: served name -> the PeftModel's LoRA adapter it runs; model_name runs
+    the base."""
 
-    def __init__(
-        self, front: AsyncEngine, model_name: str, adapters: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, front, model_name: str, adapters: dict[str, str] | None = None) -> None:
         self.front = front
         self.tokenizer = front.tokenizer
         self.model_name = model_name
         self.adapters = dict(adapters or {})
-        engine = front.engine
         self.max_model_len = front.max_model_len
-        # what one sequence can hold: the smaller of the model length and the whole KV cache
-        self.max_seq_tokens = min(
-            self.max_model_len, engine.kv.num_blocks * engine.config.block_size
-        )
+        self.max_seq_tokens = front.max_seq_tokens  # the model length or the whole KV cache
         self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
 
     @property
@@ -126,23 +131,23 @@ class OpenAIServing:
     def submit(self, prompts: list[list[int]], params: SamplingParams, model: str):
         try:
             return self.front.submit(prompts, params, model)
-        except QueueFull as exc:
-            raise APIError(429, str(exc), None, "rate_limit_error", "queue_full") from None
-        except EngineDead as exc:
-            raise APIError(503, str(exc), None, "server_error", "engine_dead") from None
-        except ValueError as exc:
-            if "max_loras" in str(exc):  # more adapters live than slots: a retry later runs
-                raise APIError(
-                    429, str(exc), "model", "rate_limit_error", "too_many_adapters"
-                ) from None
-            raise APIError(400, str(exc), _param_of(str(exc))) from None
+        except (QueueFull, EngineDead, ValueError) as exc:
+            raise _submit_error(exc) from None
+
+    async def admitted(self, handle) -> None:
+        """Wait for the engine to accept the handle's requests (at once in one process; an
+        engine process validates them and answers): its refusal is raised as submit's is."""
+        try:
+            await handle.admitted()
+        except (EngineDead, ValueError) as exc:
+            raise _submit_error(exc) from None
 
     # -- running -----------------------------------------------------------------------------------
 
-    def _choices(self, handle: RequestHandle, stop: list[str] | None) -> list[Choice]:
+    def _choices(self, handle, stop: list[str] | None) -> list[Choice]:
         return [Choice(IncrementalDetokenizer(self.tokenizer, stop)) for _ in handle.request_ids]
 
-    async def _outputs(self, handle: RequestHandle) -> AsyncIterator[list[RequestOutput]]:
+    async def _outputs(self, handle) -> AsyncIterator[list]:
         while not handle.finished:
             try:
                 outs = await handle.next_outputs()
@@ -151,9 +156,7 @@ class OpenAIServing:
             if outs:
                 yield outs
 
-    def _take(
-        self, handle: RequestHandle, choices: list[Choice], outs: list[RequestOutput], want_lp
-    ):
+    def _take(self, handle, choices: list[Choice], outs: list, want_lp):
         """File a choice's outputs of one wake-up (in arrival order) on it; returns the new
         text, or None if the choice had already ended. The tokens of all of them go through
         the detokenizer in one call (DecodeStream costs less per token in one batch)."""
@@ -191,7 +194,7 @@ class OpenAIServing:
         prefix = _event_prefix(base)
         index = handle.index
         async for outs in self._outputs(handle):
-            by_choice: dict[int, list[RequestOutput]] = {}
+            by_choice: dict[int, list] = {}
             for out in outs:
                 by_choice.setdefault(index[out.request_id], []).append(out)
             events = []
