@@ -25,6 +25,11 @@ def test_token_buckets():
     assert token_buckets(2048)[-1] == 2048 and 576 not in token_buckets(2048)
     assert token_buckets(1000)[-1] == 1000
     assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    # the small-batch forward's steps: buckets of their own up to its largest
+    assert token_buckets(40, small_rows=2) == [2, 32, 40]
+    assert token_buckets(40, small_rows=8) == [2, 4, 8, 32, 40]
+    assert token_buckets(40, small_rows=6) == [2, 4, 6, 32, 40]
+    assert token_buckets(5, small_rows=8) == [2, 4, 5]
 
 
 def _prompts(lengths, seed=0):

@@ -148,6 +148,43 @@ def test_verify_steps_in_the_small_batch_forward(tiny_model):
     assert FIXED["num_speculative_tokens"] + 1 in rows  # verify steps ran fused
 
 
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_small_verify_steps_replay_a_small_mixed_graph_with_the_fused_forward(tiny_model, k):
+    """With graphs, a batch-1 verify step (k + 1 tokens) is a mixed step: it replays the mixed
+    graph of the smallest token bucket that holds it, and buckets up to small_batch_rows hold
+    the fused small-batch forward (padded tokens write nothing, attend to nothing). The graph
+    runner's padded buffers without capture (eager) on the CPU; same tokens as without."""
+    from hf_paged.worker.cuda_graphs import CudaGraphRunner
+
+    target = tiny_model("llama")
+    prompts = _prompts([9])
+    opts = dict(attention_backend="triton", async_scheduling=False)
+    ref = _reference(target, prompts, 12, small_batch_rows=0, **opts)
+    fixed = dict(FIXED, num_speculative_tokens=k)
+    engine = Engine(
+        target, draft_model=tiny_model("llama", seed=3), small_batch_rows=8, **opts, **fixed
+    )
+    graphs = engine.runner.graphs = CudaGraphRunner(engine.runner, eager=True)
+    assert graphs.token_buckets[:4] == [2, 4, 8, 32]
+    fast = engine.runner.forward.small_batch
+    rows = []
+    engine.runner.forward.small_batch = type(
+        "Counting",
+        (),
+        {
+            "max_rows": fast.max_rows,
+            "pdl": fast.pdl,
+            "__call__": lambda s, i, *a: rows.append(a[0].shape[0]) or fast(i, *a),
+        },
+    )()
+    got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert engine.stats()["spec_num_verify_steps"] > 0
+    engine.shutdown()
+    assert got == ref
+    assert graphs.replays["mixed"] > 0
+    assert graphs.token_bucket_for(k + 1) in rows  # the verify steps' padded bucket, fused
+
+
 def test_draft_equal_to_target_accepts_everything(tiny_model):
     target = tiny_model("llama")
     prompts = _prompts([9, 33, 17])

@@ -71,12 +71,23 @@ def graph_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
     return sorted(sizes)
 
 
-def token_buckets(max_tokens: int) -> list[int]:
+def token_buckets(max_tokens: int, small_rows: int = 0) -> list[int]:
     """Token counts of the mixed-step graphs: fine steps where steps are short and the host's
-    launch cost matters most, coarser ones above (padding there is a smaller fraction)."""
+    launch cost matters most, coarser ones above (padding there is a smaller fraction).
+    small_rows: the small-batch forward's largest step (0: none). Mixed steps of that many
+    tokens or fewer (a batch-1 verify step of k + 1 tokens, a short prompt) get buckets of
+    their own, 2, 4, ... up to it, whose graphs hold that forward: padded to 32 tokens they ran
+    transformers' forward with cuBLAS GEMMs at 32 rows, ~1.3 ms over a batch-1 decode step on
+    the Llama-3-8B shape (H200, evals/profiling/spec_profile.py, 2026-12-02)."""
     if max_tokens < 1:
         return []
     sizes = {32, 64, 96, 128}
+    size = 2
+    while size < small_rows:
+        sizes.add(size)
+        size *= 2
+    if small_rows >= 2:
+        sizes.add(small_rows)
     sizes.update(range(192, 513, 64))
     sizes.update(range(640, 1025, 128))
     sizes.update(range(1280, max_tokens + 1, 256))
@@ -99,7 +110,11 @@ class CudaGraphRunner:
         # unless the small-batch forward (no dynamo) runs batch 1.
         smallest = 2 if runner.forward.compiled and runner.forward.small_batch is None else 1
         self.buckets = graph_buckets(max(self.max_batch_size, smallest), smallest)
-        self.token_buckets = token_buckets(min(cfg.max_graph_tokens, cfg.max_num_batched_tokens))
+        small = runner.forward.small_batch
+        self.token_buckets = token_buckets(
+            min(cfg.max_graph_tokens, cfg.max_num_batched_tokens),
+            small.max_rows if small is not None else 0,
+        )
         seqs = max(self.buckets[-1], self.max_num_seqs)
         dev = runner.device
         # decode: token i is sequence i, always
