@@ -11,9 +11,10 @@ for every variant that is not compiled yet: nothing is compiled or launched (the
 outputs are garbage, and nobody reads them), and the hook records each variant's specialisation.
 Then each recorded variant is compiled on a thread pool (JITFunction.preload, as Triton's own
 ahead-of-time path does: the same key as the launch, into the in-memory and on-disk caches).
-Triton releases the GIL while LLVM emits PTX and while ptxas runs, so the compiles overlap
-there. The second, real run of the forwards finds every variant compiled. With warm on-disk
-caches the pool only loads them.
+The compiles overlap only in part (much of a compile holds the GIL; ptxas runs as a process of
+its own): on the H200 host a variant took ~3.5 s on the pool against ~1.2 s alone, and the 1.1B
+shape's cold start-up went from 34.7 to 24.0 s. The second, real run of the forwards finds every
+variant compiled.
 
 Only the thread that records is skipped: another thread's launches (another engine's steps, a
 user's own kernels) compile and run as usual while the hook is installed.
