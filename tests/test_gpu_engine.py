@@ -310,15 +310,21 @@ def test_lora_adapters_per_row_match_peft_alone_fp32():
 
 
 @pytest.mark.graphs
-def test_speculative_decoding_with_graphs_and_compile_fp32():
+@pytest.mark.parametrize("small_batch_rows", [2, 8])
+def test_speculative_decoding_with_graphs_and_compile_fp32(small_batch_rows):
     """A draft equal to the target through every fast path (compile, decode and mixed-step
     graphs for the verify steps and the draft's steps, the small-batch forward at batch 1):
-    the same greedy tokens as without speculation, every proposal accepted, no block left."""
+    the same greedy tokens as without speculation, every proposal accepted, no block left.
+    small_batch_rows=8: batch-1 verify steps (k + 1 <= 8 tokens) replay the small mixed-step
+    graphs that hold the fused small-batch forward."""
     model, draft = _model(torch.float32), _model(torch.float32)
     for lengths in ([5, 40, 17, 300], [60]):
         ids, mask = _batch(lengths, seed=7)
         ref = _generate(model, ids, mask, new=40)
-        hf_paged.patch(model, draft_model=draft, speculative_policy="fixed", max_num_seqs=32)
+        hf_paged.patch(
+            model, draft_model=draft, speculative_policy="fixed", max_num_seqs=32,
+            small_batch_rows=small_batch_rows,
+        )  # fmt: skip
         try:
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40)
             engine = hf_paged.get_engine(model)
