@@ -2,8 +2,8 @@
 compiled while `Engine(model)` starts (hf_paged's kernels; inductor's own go through its
 compile workers and show as the `compile` phase), with its compile seconds and specialisation.
 
-Run in a fresh process with empty caches (the script points TRITON_CACHE_DIR and
-TORCHINDUCTOR_CACHE_DIR at new temporary folders unless --keep-caches):
+Run in a fresh process with empty caches (the script points the compile caches at a new
+temporary folder, envs.use_compile_cache, unless --keep-caches or the user set them):
 
     python evals/profiling/startup_kernels.py --shape tinyllama-1.1b
 
@@ -16,7 +16,6 @@ do_not_specialize).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -29,11 +28,13 @@ def main() -> None:
     ap.add_argument("--keep-caches", action="store_true", help="use the default cache folders")
     ap.add_argument("--top", type=int, default=40)
     args, rest = ap.parse_known_args()
-    if not args.keep_caches:  # before torch / triton read them
-        root = tempfile.mkdtemp(prefix="hf-paged-startup-")
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     sys.argv = [sys.argv[0], *rest]
+    if not args.keep_caches:  # empty folders, before anything compiles (hf_paged/envs.py)
+        from hf_paged import envs
+
+        root = tempfile.mkdtemp(prefix="hf-paged-startup-")
+        if len(envs.use_compile_cache(root)) < 2:
+            print("note: TRITON_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR is set: not a cold start")
 
     import bench_setup  # noqa: F401  (evals as hf_paged_evals)
     import triton

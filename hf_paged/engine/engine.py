@@ -133,7 +133,7 @@ class Engine:
         The request joins at the next step."""
         self._check_open()
         requests = self.inputs.make_requests(prompt, params, request_id, priority)
-        self._submit(requests, partial(self._admit, requests))
+        self._submit(requests, partial(self._admit, [requests]))
         return requests[0].request_id
 
     def _submit(self, requests: list[Request], action, stream=None) -> None:
@@ -149,11 +149,11 @@ class Engine:
                 self._streams.unregister(ids, stream)
                 raise
 
-    def _admit(self, requests: list[Request]) -> None:
-        parent = requests[0]
-        if parent.status.finished:  # its stream closed before it was admitted
-            return
-        self.scheduler.add_request(parent, siblings=requests[1:])
+    def _admit(self, groups: list[list[Request]]) -> None:
+        """Each group (a request and its n - 1 siblings) joins the scheduler."""
+        for parent, *siblings in groups:
+            if not parent.status.finished:  # else its stream closed before it was admitted
+                self.scheduler.add_request(parent, siblings=siblings)
 
     def abort(self, request_id: str) -> None:
         """End a live request: its blocks and row are freed, and the next step() reports its
@@ -303,10 +303,10 @@ class Engine:
         time one of these requests gets a token (new_token_ids; finished=True on its last), many
         interleaved. `.request_ids`: input order (siblings of n > 1 after their first). Closing
         it early aborts the unfinished ones; bad input raises ValueError, nothing queued."""
-        groups = self._make_groups(prompts, params, None)
-        requests = [r for group in groups for r in group]
-        stream = RequestStream(self, [r.request_id for r in requests], coalesce)
-        self._submit(requests, partial(self._admit_groups, groups), stream)
+        self._check_open()
+        groups = self.inputs.make_groups(prompts, params)
+        stream = RequestStream(self, [r.request_id for g in groups for r in g], coalesce)
+        self._submit([r for g in groups for r in g], partial(self._admit, groups), stream)
         return stream
 
     def add_requests(
@@ -315,35 +315,12 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         request_ids: Sequence[str] | None = None,
     ) -> list[str]:
-        """Queue several prompts at once, with no stream (the caller reads step()'s outputs):
-        every prompt is validated before any is queued (a ValueError queues nothing). Returns
-        the ids in input order, each prompt's n - 1 siblings after it (sibling_request_id)."""
-        groups = self._make_groups(prompts, params, request_ids)
-        requests = [r for group in groups for r in group]
-        self._submit(requests, partial(self._admit_groups, groups))
-        return [r.request_id for r in requests]
-
-    def _make_groups(self, prompts, params, request_ids) -> list[list[Request]]:
-        if isinstance(prompts, (str, torch.Tensor)):
-            raise ValueError("prompts must be a list of prompts (a list of one for one prompt)")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        if request_ids is None:
-            request_ids = [None] * len(prompts)
-        if len(request_ids) != len(prompts):
-            raise ValueError(f"request_ids: {len(request_ids)} given for {len(prompts)} prompts")
+        """Queue prompts with no stream (step() reports them), all validated before any is
+        queued. Returns the ids in input order, each prompt's n - 1 siblings after it."""
         self._check_open()
-        # every prompt validated before any is queued; a group is one prompt and its siblings
-        return [
-            self.inputs.make_requests(prompt, p, rid)
-            for prompt, p, rid in zip(prompts, params, request_ids)
-        ]
-
-    def _admit_groups(self, groups: list[list[Request]]) -> None:
-        for group in groups:
-            self._admit(group)
+        groups = self.inputs.make_groups(prompts, params, request_ids)
+        self._submit([r for g in groups for r in g], partial(self._admit, groups))
+        return [r.request_id for g in groups for r in g]
 
     # -- introspection -----------------------------------------------------------------------------
 

@@ -54,6 +54,26 @@ class InputProcessor:
         self.grammars = None
         self._grammars_lock = threading.Lock()
 
+    def make_groups(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        request_ids: Sequence[str | None] | None = None,
+    ) -> list[list[Request]]:
+        """make_requests for each prompt (one params for all, or one each; ids or None), every
+        prompt validated before any request exists: a group is a prompt and its n - 1 siblings."""
+        if isinstance(prompts, (str, torch.Tensor)):
+            raise ValueError("prompts must be a list of prompts (a list of one for one prompt)")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        if request_ids is None:
+            request_ids = [None] * len(prompts)
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"request_ids: {len(request_ids)} given for {len(prompts)} prompts")
+        return [self.make_requests(*args) for args in zip(prompts, params, request_ids)]
+
     def make_requests(
         self,
         prompt: Sequence[int] | str,
