@@ -103,16 +103,18 @@ def fused_gemv_ref(
         up_weight = dequantize_weight(up_weight, up_scale).to(x.dtype)
     if rows is not None:
         x = x[rows]
+    inv_rms = None
     if norm_weight is not None:
+        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + eps)
         x = rms_norm_ref(x, norm_weight, eps, norm_plus_one)
     y = F.linear(x, weight, bias)
     n = y.shape[-1]
     if lora is not None:
-        y = lora_epilogue_ref(lora, y, slice(0, n))
+        y = lora_epilogue_ref(lora, y, slice(0, n), inv_rms)
     if up_weight is not None:
         up = F.linear(x, up_weight)
         if lora is not None:
-            up = lora_epilogue_ref(lora, up, slice(n, 2 * n))
+            up = lora_epilogue_ref(lora, up, slice(n, 2 * n), inv_rms)
         y = _ACTIVATIONS[activation](y) * up
     if residual is not None:
         y = residual + y
@@ -222,6 +224,7 @@ def _fused_gemv_kernel(
     NORM_OUT: tl.constexpr,
     LORA_SLICES: tl.constexpr,  # 0: no LoRA; GATED: 2 (gate, up)
     LORA_BLOCK_R: tl.constexpr,
+    LORA_RMS: tl.constexpr,  # the shrink took x * g: each row's delta input times 1 / rms
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
@@ -261,8 +264,11 @@ def _fused_gemv_kernel(
             )  # fmt: skip
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = x_raw.to(tl.float32)
+            row_scale = 1.0  # of the LoRA shrink's rows (LORA_RMS: x * g, not yet / rms)
             if NORM:
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+                if LORA_RMS:
+                    row_scale = inv_rms
                 if NORM_PLUS_ONE:
                     x = (x * inv_rms * (1.0 + g)).to(dt).to(tl.float32)
                 else:
@@ -278,53 +284,19 @@ def _fused_gemv_kernel(
                 adapted = slot >= 0
                 slot = tl.maximum(slot, 0)  # rows of no adapter: computed, then not used
                 if GATED:  # gate rows: slice 0, up rows: slice 1
-                    d = _lora_delta(
-                        ls_ptr,
-                        m,
-                        LORA_SPLIT,
-                        stride_lss,
-                        stride_lsm,
-                        lb_ptr,
-                        stride_lbs,
-                        stride_lbn,
-                        lsc_ptr,
-                        stride_lsc,
-                        slot,
-                        offs_n,
-                        n_mask,
-                        LORA_E0,
-                        LORA_E1,
-                        LORA_R,
-                        0,
-                        1,
-                        LORA_BLOCK_R,
-                    )
-                    d2 = _lora_delta(
-                        ls_ptr,
-                        m,
-                        LORA_SPLIT,
-                        stride_lss,
-                        stride_lsm,
-                        lb2_ptr,
-                        stride_lbs,
-                        stride_lbn,
-                        lsc_ptr,
-                        stride_lsc,
-                        slot,
-                        offs_n,
-                        n_mask,
-                        LORA_E0,
-                        LORA_E1,
-                        LORA_R,
-                        1,
-                        1,
-                        LORA_BLOCK_R,
-                    )
+                    d = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
+                                    stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
+                                    n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0, 1,
+                                    LORA_BLOCK_R)  # fmt: skip
+                    d2 = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb2_ptr,
+                                     stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
+                                     n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 1, 1,
+                                     LORA_BLOCK_R)  # fmt: skip
                 else:
                     d = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
                                     stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
-                                    n_mask, LORA_E0, LORA_E1, LORA_R, 0, LORA_SLICES,
-                                    LORA_BLOCK_R)  # fmt: skip
+                                    n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0,
+                                    LORA_SLICES, LORA_BLOCK_R)  # fmt: skip
                     # peft: the base product rounded, plus the delta, rounded again
                     y = y.to(dt).to(tl.float32)
                     y = tl.where(adapted, (y + d).to(dt).to(tl.float32), y)
@@ -349,8 +321,8 @@ def _fused_gemv_kernel(
 
 @triton.jit
 def _lora_delta(s_ptr, m: tl.constexpr, SPLIT, stride_ss, stride_sm, b_ptr, stride_bs, stride_bn,
-                sc_ptr, stride_sc, slot, offs_n, n_mask, E0, E1, R, FIRST: tl.constexpr,
-                SLICES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+                sc_ptr, stride_sc, slot, offs_n, n_mask, E0, E1, R, row_scale,
+                FIRST: tl.constexpr, SLICES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     # row m's delta over the program's columns [BLOCK_N] (float32): B[slot]'s rows of them
     # times the shrink's R columns of each column's slice (slices FIRST.. FIRST + SLICES - 1;
     # a tile may straddle q/k/v, so each slice's product is kept where its columns are)
@@ -374,7 +346,7 @@ def _lora_delta(s_ptr, m: tl.constexpr, SPLIT, stride_ss, stride_sm, b_ptr, stri
                 mask=r_mask,
                 other=0.0,
             )
-        h = h.to(dt).to(tl.float32)  # peft rounds lora_A's output to the adapter's dtype
+        h = (h * row_scale).to(dt).to(tl.float32)  # peft rounds lora_A's output so
         d = tl.sum(b * h[None, :], axis=1) * tl.load(sc_ptr + (FIRST + i) * stride_sc + slot)
         if SLICES == 1:
             delta = d
@@ -564,6 +536,8 @@ def fused_gemv(
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous in its last dimension, strides {x.stride()}")
     check_launchable(x, "x")
+    if lora is not None and lora.rms and norm_weight is None:
+        raise ValueError("lora.rms (a shrink of x * norm_weight) needs norm_weight")
     gated = up_weight is not None
     lora_args = _lora_args(lora, m, n, gated, rows is not None, x.device)
     y = torch.empty((m, n), dtype=dtype, device=x.device)
@@ -623,6 +597,7 @@ def fused_gemv(
         NORM_OUT=norm_out is not None,
         LORA_SLICES=lora_args["slices"],
         LORA_BLOCK_R=lora_args["block_r"],
+        LORA_RMS=lora is not None and lora.rms,
         **cfg,
     )
     return y

@@ -59,7 +59,6 @@ def _lora_shrink_kernel(
     nw_ptr,  # [K] RMSNorm weight (NORM)
     K,
     R,
-    eps,
     stride_xt,
     stride_as,
     stride_ar,
@@ -91,17 +90,6 @@ def _lora_shrink_kernel(
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         a_base = a_ptr + slot.to(tl.int64) * stride_as
-        if NORM:  # each program reads its rows whole for their RMS (a few KB a row)
-            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                offs_k = k + tl.arange(0, BLOCK_K)
-                xt = tl.load(
-                    x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < K)[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                sq += tl.sum(xt * xt, axis=1)
-            inv_rms = 1.0 / tl.sqrt(sq / K + eps)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         k_begin = pid_k * K_PER_SPLIT
         for k in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
@@ -112,14 +100,11 @@ def _lora_shrink_kernel(
                 mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )
-            if NORM:  # rounded as fused_gemv's NORM rounds the product's input
-                dt = x_ptr.dtype.element_ty
+            if NORM:  # x * g: the row's 1 / rms is the GEMV's to multiply by (see lora_shrink)
                 g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                xn = xt.to(tl.float32) * inv_rms[:, None]
                 if NORM_PLUS_ONE:
-                    xt = (xn * (1.0 + g[None, :])).to(dt)
-                else:
-                    xt = (g[None, :] * xn.to(dt).to(tl.float32)).to(dt)
+                    g = 1.0 + g
+                xt = xt.to(tl.float32) * g[None, :]
             at = tl.load(
                 a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
                 mask=r_mask[:, None] & k_mask[None, :],
@@ -282,14 +267,15 @@ def lora_shrink(
     *,
     split_k: int | None = None,
     norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
     norm_plus_one: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:  # f32 [SPLIT_K, T, R]; rows of tokens without an adapter are not written
     """x @ A[slot]^T for each token with a slot, as SPLIT_K partial sums (lora_expand sums
-    them). norm_weight: of RMSNorm(x) instead (fused_gemv's NORM, rounded as it rounds), the
-    input of a small-batch GEMV whose epilogue adds the deltas; pdl: programmatic dependent
-    launch between those GEMVs (sm_90+)."""
+    them). norm_weight: (x * norm_weight) @ A[slot]^T (x * (1 + norm_weight) with
+    norm_plus_one), RMSNorm(x) @ A[slot]^T but for each row's 1 / rms, which a NORM
+    fused_gemv computes for the row anyway and multiplies in (LoraEpilogue.rms): a program
+    then reads only its split of the row, where computing the rms here would walk each whole
+    row first. pdl: programmatic dependent launch between the small-batch GEMVs (sm_90+)."""
     _check_stack("x", x, 2)
     _check_stack("a_stack", a_stack)
     check_launchable(x, "x")
@@ -311,7 +297,7 @@ def lora_shrink(
     _lora_shrink_kernel[grid](
         x, a_stack, out, sorted_tokens, slot_start,
         norm_weight if norm_weight is not None else x,
-        k, r, float(eps), x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0),
+        k, r, x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0),
         out.stride(1), k_per_split,
         BLOCK_M=block_m,
         BLOCK_R=max(16, triton.next_power_of_2(r)),
@@ -408,12 +394,23 @@ class LoraEpilogue:
     scale: torch.Tensor  # f32 [slices, S]
     slots: torch.Tensor  # int32 [M] each row's slot, -1: none
     slices: tuple[int, ...]  # widths over b's rows (gated: exactly (gate rows, up rows))
+    # s is of x * norm_weight (lora_shrink's norm_weight): the NORM GEMV multiplies each row's
+    # by its 1 / rms
+    rms: bool = False
 
 
-def lora_epilogue_ref(e: LoraEpilogue, y: torch.Tensor, columns: slice = slice(None)):
+def lora_epilogue_ref(
+    e: LoraEpilogue,
+    y: torch.Tensor,
+    columns: slice = slice(None),
+    inv_rms: torch.Tensor | None = None,
+):
     """y [M, n] (the product's columns `columns` of the group's, rounded) plus each row's delta,
-    rounded once (what fused_gemv's epilogue computes)."""
+    rounded once (what fused_gemv's epilogue computes); inv_rms [M]: each row's 1 / rms
+    (e.rms)."""
     s = e.s.sum(0) if e.s.dim() == 3 else e.s
+    if e.rms:
+        s = s * inv_rms[:, None]
     r = e.b.shape[-1]
     delta = torch.zeros(y.shape[0], e.b.shape[1], dtype=torch.float32, device=y.device)
     start = 0
@@ -440,16 +437,13 @@ def lora_shrink_ref(
     token_slots: torch.Tensor,
     *,
     norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
     norm_plus_one: bool = False,
 ) -> torch.Tensor:  # f32 [T, R]; zero where a token has no slot
-    """x @ A[slot]^T per token (of RMSNorm(x) with norm_weight), in the adapters' dtype: each
-    used slot's tokens gathered (the engine runs this inside an opaque custom op, so the
-    data-dependent shapes never reach torch.compile or a graph)."""
+    """x @ A[slot]^T per token (of x * norm_weight with norm_weight, as lora_shrink), in the
+    adapters' dtype: each used slot's tokens gathered (the engine runs this inside an opaque
+    custom op, so the data-dependent shapes never reach torch.compile or a graph)."""
     if norm_weight is not None:
-        from .fused_gemv import rms_norm_ref
-
-        x = rms_norm_ref(x, norm_weight, eps, norm_plus_one)
+        x = x.float() * (norm_weight.float() + (1.0 if norm_plus_one else 0.0))
     out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
     for slot, index in _slot_tokens(token_slots):
         h = x.index_select(0, index).to(a_stack.dtype) @ a_stack[slot].T

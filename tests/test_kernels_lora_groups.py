@@ -94,7 +94,7 @@ def test_one_shrink_and_one_expand_over_three_slices(dtype):
         start += w
 
 
-def test_the_shrink_normalises_as_the_fused_gemv():
+def test_the_shrink_takes_the_norm_weight_and_leaves_the_rms_to_the_gemv():
     k, dtype = 48, torch.bfloat16
     a, _, _, _ = _group(k, (8, 8, 8), dtype)
     slots = torch.tensor([1, -1, 0, 2], dtype=torch.int32)
@@ -102,22 +102,25 @@ def test_the_shrink_normalises_as_the_fused_gemv():
     x = (torch.randn(4, k, generator=g) * 3).to(dtype)
     w = (torch.rand(k, generator=g) + 0.5).to(dtype)
     segments = lora_segments(slots, len(RANKS))
+    inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    has = slots >= 0
     for plus_one in (False, True):
-        got = lora_shrink(x, a, *segments, norm_weight=w, eps=1e-6, norm_plus_one=plus_one)
-        want = lora_shrink_ref(x, a, slots, norm_weight=w, eps=1e-6, norm_plus_one=plus_one)
-        by_hand = lora_shrink_ref(rms_norm_ref(x, w, 1e-6, plus_one), a, slots)
-        assert torch.equal(want, by_hand)
-        has = slots >= 0
+        got = lora_shrink(x, a, *segments, norm_weight=w, norm_plus_one=plus_one)
+        want = lora_shrink_ref(x, a, slots, norm_weight=w, norm_plus_one=plus_one)
         torch.testing.assert_close(got.sum(0)[has], want[has], atol=2e-2, rtol=2e-2)
+        # times each row's 1 / rms: the shrink of the normalised rows (as the GEMV rounds them)
+        normed = lora_shrink_ref(rms_norm_ref(x, w, 1e-6, plus_one), a, slots)
+        scaled = got.sum(0) * inv_rms[:, None]
+        torch.testing.assert_close(scaled[has], normed[has], atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="norm_weight"):
         lora_shrink(x, a, *segments, norm_weight=w.float())
 
 
 def _epilogue(x, a, b, scale, slots, widths, norm=None):
     segments = lora_segments(slots, a.shape[0])
-    kw = {} if norm is None else dict(norm_weight=norm, eps=1e-5)
+    kw = {} if norm is None else dict(norm_weight=norm)
     s = lora_shrink(x, a, *segments, **kw)
-    return LoraEpilogue(s, b, scale, slots, widths)
+    return LoraEpilogue(s, b, scale, slots, widths, rms=norm is not None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -162,7 +165,8 @@ def test_gemv_epilogue_gated_and_residual(dtype):
     torch.testing.assert_close(got, want, **tol)
     # the same from the ungated product with the deltas added, then act(gate) * up
     normed = rms_norm_ref(x, norm, 1e-5)
-    gu = lora_expand_ref(F.linear(normed, gate_up), lora.s, b, scale, slots, slices=(inter, inter))
+    s = lora_shrink_ref(normed, a, slots)
+    gu = lora_expand_ref(F.linear(normed, gate_up), s, b, scale, slots, slices=(inter, inter))
     torch.testing.assert_close(got, F.silu(gu[:, :inter]) * gu[:, inter:], **tol)
     assert torch.equal(got[2], fused_gemv(x, gate_up[:inter], **kw)[2])
     # down: one slice, residual after the delta
@@ -190,6 +194,8 @@ def test_bad_lora_inputs_are_refused():
         fused_gemv(x, w, lora=LoraEpilogue(lora.s, b, scale, slots.long(), widths))
     with pytest.raises(ValueError, match="do not fit"):  # gated: B must hold gate and up rows
         fused_gemv(x, w, up_weight=w, lora=lora)
+    with pytest.raises(ValueError, match="needs norm_weight"):  # x * g, and no rms to take
+        fused_gemv(x, w, lora=LoraEpilogue(lora.s, b, scale, slots, widths, rms=True))
     y = torch.zeros(2, 16)
     with pytest.raises(ValueError, match="slices"):
         lora_expand(y, lora.s, b, scale, *lora_segments(slots, 3), slices=(4, 4, 4, 4))

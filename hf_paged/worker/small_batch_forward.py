@@ -24,7 +24,8 @@ FP8 weights (quantization="fp8": Fp8Linear and fused projections holding float8_
 A PeftModel's LoRA layers wrap the fused slices and o/down: their per-token deltas (the step's
 adapter slots, hf_paged.lora) are added inside the GEMVs' epilogues (kernels/fused_gemv.py,
 LoraEpilogue), each GEMV after one shrink launch over its group's stacked A (q/k/v together,
-gate/up together, normalised in the shrink as the GEMV normalises): 4 extra launches a layer.
+gate/up together; for those the shrink takes x times the norm weight, and the GEMV, which
+computes each row's 1 / rms, multiplies it in): 4 extra launches a layer.
 A layer with LoRA on q/k/v takes the unfused RoPE + KV write after the GEMV. (Were a slice's
 LoRA layer disabled or merged on its own, its group's live slices add their deltas one by one
 after an ungated GEMV, as peft would.)
@@ -136,13 +137,15 @@ class SmallBatchForward:
 
         batch = get_forward_context().lora_groups
         kw = {}
-        if norm is not None:
-            kw = dict(norm_weight=norm.weight, eps=norm_eps(norm), norm_plus_one=self.norm_plus_one)
+        if norm is not None:  # x * g: the GEMV multiplies in each row's 1 / rms
+            kw = dict(norm_weight=norm.weight, norm_plus_one=self.norm_plus_one)
         s = lora_shrink(
             x, deltas.a, batch.sorted_tokens, batch.slot_start, split_k=_shrink_split(x),
             pdl=self.pdl, **kw,
         )  # fmt: skip
-        return LoraEpilogue(s, deltas.b, deltas.scale, batch.token_slots, deltas.slices)
+        return LoraEpilogue(
+            s, deltas.b, deltas.scale, batch.token_slots, deltas.slices, rms=norm is not None
+        )
 
     def _qkv_rope(self, layer: Layer, h, positions, cos, sin, lora, key_cache, value_cache):
         """Rotated queries [T, Hq, D]; rotated keys and values written to the cache."""
