@@ -201,3 +201,162 @@ def test_bad_lora_inputs_are_refused():
         lora_expand(y, lora.s, b, scale, *lora_segments(slots, 3), slices=(4, 4, 4, 4))
     with pytest.raises(ValueError, match="scale"):
         lora_expand(y, lora.s, b, scale[0], *lora_segments(slots, 3), slices=widths)
+
+
+# --- real shapes on a CUDA GPU (`pytest -m gpu tests/test_kernels_lora_groups.py`) ---
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# TinyLlama-1.1B and Llama-3-8B: hidden, q/k/v widths, intermediate
+SHAPES = {"1.1b": (2048, (2048, 256, 256), 5632), "8b": (4096, (4096, 1024, 1024), 14336)}
+SLOTS_GPU, RANK = 8, 16
+
+
+def _cuda_group(k, widths, g, pad_slot=3, pad_from=12):
+    """bf16 group buffers of 8 slots at rank 16; one slot's adapter of rank 12, zero-padded."""
+    n = len(widths)
+    a = torch.randn(SLOTS_GPU, n * RANK, k, generator=g, device="cuda") / k**0.5
+    b = torch.randn(SLOTS_GPU, sum(widths), RANK, generator=g, device="cuda") / RANK**0.5
+    for i in range(n):
+        a[pad_slot, i * RANK + pad_from : (i + 1) * RANK] = 0
+    b[pad_slot, :, pad_from:] = 0
+    scale = torch.rand(n, SLOTS_GPU, generator=g, device="cuda") + 0.5
+    return a.bfloat16(), b.bfloat16(), scale
+
+
+def _cuda_slots(t, g):
+    """Decode rows of every slot and of none; from 64 tokens on, prefill runs of one slot."""
+    if t < 64:
+        return torch.randint(-2, SLOTS_GPU, (t,), generator=g, device="cuda").clamp(min=-1).int()
+    runs = torch.arange(t, device="cuda") * 5 // t
+    return torch.tensor([3, 0, -1, 7, 5], device="cuda")[runs].int()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("t", [1, 3, 8, 64, 300])
+@pytest.mark.parametrize("group", ["qkv", "gate_up"])
+def test_gpu_grouped_shrink_expand_real_shapes(shape, t, group):
+    hidden, qkv, inter = SHAPES[shape]
+    widths = qkv if group == "qkv" else (inter, inter)
+    g = torch.Generator(device="cuda").manual_seed(t)
+    a, b, scale = _cuda_group(hidden, widths, g)
+    slots = _cuda_slots(t, g)
+    x = torch.randn(t, hidden, generator=g, device="cuda").bfloat16()
+    y = torch.randn(t, sum(widths), generator=g, device="cuda").bfloat16()
+    seg = lora_segments(slots, SLOTS_GPU)
+    s = lora_shrink(x, a, *seg)
+    got = y.clone()
+    lora_expand(got, s, b, scale, *seg, slices=widths)
+    torch.cuda.synchronize()
+    mine = slots >= 0
+    ref_s = lora_shrink_ref(x.float(), a.float(), slots)
+    torch.testing.assert_close(s.sum(0)[mine], ref_s[mine], atol=2e-2, rtol=2e-2)
+    want = lora_expand_ref(
+        y.float(), ref_s.bfloat16().float(), b.float(), scale, slots, slices=widths
+    )
+    assert torch.equal(got[~mine], y[~mine])  # no adapter: untouched, bit for bit
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
+    # the same bits as one shrink + expand per slice through the slices' views
+    start = 0
+    for i, w in enumerate(widths):
+        part = y[:, start : start + w].contiguous()
+        view_a = a[:, i * RANK : (i + 1) * RANK]
+        lora_expand(part, lora_shrink(x, view_a, *seg), b[:, start : start + w], scale[i], *seg)
+        torch.testing.assert_close(part, got[:, start : start + w], atol=2e-2, rtol=1e-2)
+        start += w
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_gemv_epilogue_real_shapes(shape, rows, pdl):
+    """A decoder layer's four GEMVs with their LoRA epilogues at real shapes (q/k/v and gate/up
+    after one normalising shrink each, o and down after a plain one), bf16, against
+    fused_gemv_ref; rows of no adapter bit-exact with the GEMV without LoRA."""
+    from hf_paged.kernels.fused_gemv import pdl_available
+
+    if pdl and not pdl_available(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    hidden, qkv, inter = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    slots = torch.tensor([0, -1, 3, 7, 2, 5, -1, 1][:rows], dtype=torch.int32, device="cuda")
+    seg = lora_segments(slots, SLOTS_GPU)
+    h = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
+    norm = (torch.rand(hidden, generator=g, device="cuda") + 0.5).bfloat16()
+
+    def weight(n, k):
+        return (torch.randn(n, k, generator=g, device="cuda") / k**0.5).bfloat16()
+
+    def check(x, w, widths, normed, tol=(6e-2, 3e-2), **kw):
+        a, b, scale = _cuda_group(x.shape[1], widths, g)
+        nkw = dict(norm_weight=norm) if normed else {}
+        s = lora_shrink(x, a, *seg, pdl=pdl, **nkw)
+        lora = LoraEpilogue(s, b, scale, slots, widths, rms=normed)
+        if normed:
+            kw.update(norm_weight=norm, eps=1e-5)
+        got = fused_gemv(x, w, lora=lora, pdl=pdl, **kw)
+        base = fused_gemv(x, w, pdl=pdl, **kw)
+        want = fused_gemv_ref(x, w, lora=lora, **kw)
+        torch.cuda.synchronize()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=tol[0], rtol=tol[1])
+        none = slots < 0
+        assert torch.equal(got[none], base[none])
+        assert not torch.equal(got[~none], base[~none])
+        return got
+
+    check(h, weight(sum(qkv), hidden), qkv, True)
+    attn = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
+    check(attn, weight(hidden, hidden), (hidden,), False, residual=h)
+    gate_up = weight(2 * inter, hidden)
+    # act(gate) * up: a bf16 ulp of either, rounded differently, carried through the product
+    act = check(h, gate_up[:inter], (inter, inter), True, (0.25, 0.05), up_weight=gate_up[inter:])
+    check(act, weight(hidden, inter), (hidden,), False, residual=h)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_small_batch_lora_chain_replays_in_a_graph():
+    """shrink -> GEMV (epilogue) -> shrink -> GEMV with PDL, captured and replayed: the same
+    bits as the eager run, and a new slot assignment between replays is honoured."""
+    from hf_paged.kernels.fused_gemv import pdl_available
+
+    pdl = pdl_available(torch.device("cuda"))
+    hidden, qkv, inter = SHAPES["1.1b"]
+    g = torch.Generator(device="cuda").manual_seed(9)
+    a1, b1, sc1 = _cuda_group(hidden, (hidden,), g)
+    a2, b2, sc2 = _cuda_group(hidden, (inter, inter), g)
+    w1 = (torch.randn(hidden, hidden, generator=g, device="cuda") / 45).bfloat16()
+    w2 = (torch.randn(2 * inter, hidden, generator=g, device="cuda") / 45).bfloat16()
+    norm = torch.ones(hidden, device="cuda").bfloat16()
+    x = torch.randn(4, hidden, generator=g, device="cuda").bfloat16()
+    slots = torch.tensor([0, -1, 5, 2], dtype=torch.int32, device="cuda")
+
+    def step():
+        seg = lora_segments(slots, SLOTS_GPU)
+        s1 = lora_shrink(x, a1, *seg, pdl=pdl)
+        h = fused_gemv(x, w1, residual=x, pdl=pdl, lora=LoraEpilogue(s1, b1, sc1, slots, (hidden,)))
+        s2 = lora_shrink(h, a2, *seg, norm_weight=norm, pdl=pdl)
+        lora = LoraEpilogue(s2, b2, sc2, slots, (inter, inter), rms=True)
+        return fused_gemv(
+            h, w2[:inter], up_weight=w2[inter:], norm_weight=norm, eps=1e-5, pdl=pdl, lora=lora
+        )
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for assignment in ([0, -1, 5, 2], [7, 7, -1, 3]):
+        slots.copy_(torch.tensor(assignment, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+    slots.copy_(torch.tensor([0, -1, 5, 2], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
