@@ -181,6 +181,44 @@ def test_gemv_epilogue_gated_and_residual(dtype):
     assert torch.equal(got[2], fused_gemv(act, down, residual=res)[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_qkv_rope_adds_the_qkv_deltas_before_rope(dtype, bias):
+    from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
+
+    g = torch.Generator().manual_seed(12)
+    hq, hkv, d, k = 4, 2, 16, 48
+    widths = (hq * d, hkv * d, hkv * d)
+    n = sum(widths)
+    a, b, scale, _ = _group(k, widths, dtype, seed=13)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)  # mixed, one row of no adapter
+    x = torch.randn(3, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    bias_ = torch.randn(n, generator=g).to(dtype) if bias else None
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    angles = torch.randn(50, d // 2, generator=g)
+    args = (torch.randint(0, 50, (3,), generator=g), angles.cos().to(dtype), angles.sin().to(dtype))
+    cache_slots = torch.tensor([5, 2, 9])
+    caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(6)]
+    lora = _epilogue(x, a, b, scale, slots, widths, nw)
+    q = norm_qkv_rope(x, w, bias_, nw, 1e-5, *args, *caches[:2], cache_slots, hq, lora=lora)
+    q_ref = norm_qkv_rope_ref(
+        x, w, bias_, nw, 1e-5, *args, *caches[2:4], cache_slots, hq, lora=lora
+    )
+    q_base = norm_qkv_rope(x, w, bias_, nw, 1e-5, *args, *caches[4:], cache_slots, hq)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)  # keys: deltas, then rotated
+    torch.testing.assert_close(caches[1], caches[3], **tol)  # values
+    assert torch.equal(q[1], q_base[1])  # no adapter: the base kernel's bits
+    block, off = 2 // 4, 2 % 4  # row 1's cache slot
+    assert torch.equal(caches[0][block, off], caches[4][block, off])
+    assert not torch.allclose(q[0], q_base[0]) and not torch.allclose(caches[1], caches[5])
+    with pytest.raises(ValueError, match="slices must be q/k/v"):
+        bad = LoraEpilogue(lora.s, b, scale, slots, widths, rms=False)
+        norm_qkv_rope(x, w, bias_, nw, 1e-5, *args, *caches[:2], cache_slots, hq, lora=bad)
+
+
 def test_bad_lora_inputs_are_refused():
     k, widths = 16, (8, 8)
     a, b, scale, _ = _group(k, widths, torch.float32)
@@ -360,3 +398,43 @@ def test_gpu_small_batch_lora_chain_replays_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", ["1.1b", "8b"])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_norm_qkv_rope_lora_real_shapes(shape, rows, pdl):
+    from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
+    from hf_paged.kernels.fused_gemv import pdl_available
+
+    if pdl and not pdl_available(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    hidden, widths, _ = SHAPES[shape]
+    d = 64 if shape == "1.1b" else 128
+    hq, hkv = widths[0] // d, widths[1] // d
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    a, b, scale = _cuda_group(hidden, widths, g)
+    slots = torch.tensor([0, -1, 3, 7, 2, 5, -1, 1][:rows], dtype=torch.int32, device="cuda")
+    x = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(sum(widths), hidden, generator=g, device="cuda") / hidden**0.5).bfloat16()
+    nw = (torch.rand(hidden, generator=g, device="cuda") + 0.5).bfloat16()
+    angles = torch.randn(4096, d // 2, generator=g, device="cuda")
+    pos = torch.randint(0, 4096, (rows,), generator=g, device="cuda")
+    args = (pos, angles.cos().bfloat16(), angles.sin().bfloat16())
+    cache_slots = torch.arange(rows, device="cuda") * 3
+    caches = [torch.zeros(8, 16, hkv, d, device="cuda").bfloat16() for _ in range(6)]
+    s = lora_shrink(x, a, *lora_segments(slots, SLOTS_GPU), norm_weight=nw, pdl=pdl)
+    lora = LoraEpilogue(s, b, scale, slots, widths, rms=True)
+    q = norm_qkv_rope(x, w, None, nw, 1e-5, *args, *caches[:2], cache_slots, hq, pdl=pdl, lora=lora)
+    q_ref = norm_qkv_rope_ref(x, w, None, nw, 1e-5, *args, *caches[2:4], cache_slots, hq, lora=lora)
+    q_base = norm_qkv_rope(x, w, None, nw, 1e-5, *args, *caches[4:], cache_slots, hq, pdl=pdl)
+    torch.cuda.synchronize()
+    tol = dict(atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(q.float(), q_ref.float(), **tol)
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), **tol)
+    torch.testing.assert_close(caches[1].float(), caches[3].float(), **tol)
+    none = slots < 0
+    assert torch.equal(q[none], q_base[none])  # no adapter: the base kernel's bits
+    assert not torch.equal(q[~none], q_base[~none])

@@ -1,7 +1,8 @@
 """Multi-LoRA on fused projections (hf_paged/lora/slots.py groups, hf_paged/lora/layers.py's
 product hook), CPU, float32: a decoder layer runs 4 LoRA ops (q/k/v as one shrink + one expand
 over the fused product, o, gate/up as one, down), none writing a strided slice; the small-batch
-forward makes 4 shrink launches a layer and no expand (the deltas in the GEMV epilogues); the
+forward makes 4 shrink launches a layer and no expand (the deltas in the GEMV epilogues, q/k/v's
+in the one-launch norm + q/k/v + RoPE); the
 slices' LoRA layers hold views of their group's buffers, so a slot is written once; a slice
 disabled on its own falls back to per-slice deltas. Tokens equal peft's throughout."""
 
@@ -97,6 +98,16 @@ def test_small_batch_forward_shrinks_once_a_group_and_expands_in_the_gemvs(peft_
 
     monkeypatch.setattr(lora_kernels, "lora_shrink", shrink)
     monkeypatch.setattr(lora_kernels, "lora_expand", lambda *a, **k: expands.append(1))
+    from hf_paged import kernels
+
+    one_launch = []  # norm + q/k/v + RoPE + KV write: with the q/k/v deltas in it
+    real_rope = kernels.norm_qkv_rope
+
+    def norm_qkv_rope(*args, **kw):
+        one_launch.append(kw.get("lora") is not None)
+        return real_rope(*args, **kw)
+
+    monkeypatch.setattr(kernels, "norm_qkv_rope", norm_qkv_rope)
 
     class Counting:
         max_rows = fast.max_rows
@@ -110,6 +121,7 @@ def test_small_batch_forward_shrinks_once_a_group_and_expands_in_the_gemvs(peft_
     eng.shutdown()
     assert got == want
     assert steps and not expands
+    assert fast.cos_table is not None and one_launch and all(one_launch)
     # q/k/v (normalised in the shrink), o, gate/up (normalised), down: per layer per step
     per_layer = [(15, True), (5, False), (10, True), (5, False)]
     assert shrinks == per_layer * model.config.num_hidden_layers * len(steps)

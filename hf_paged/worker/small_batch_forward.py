@@ -25,8 +25,8 @@ A PeftModel's LoRA layers wrap the fused slices and o/down: their per-token delt
 adapter slots, hf_paged.lora) are added inside the GEMVs' epilogues (kernels/fused_gemv.py,
 LoraEpilogue), each GEMV after one shrink launch over its group's stacked A (q/k/v together,
 gate/up together; for those the shrink takes x times the norm weight, and the GEMV, which
-computes each row's 1 / rms, multiplies it in): 4 extra launches a layer.
-A layer with LoRA on q/k/v takes the unfused RoPE + KV write after the GEMV. (Were a slice's
+computes each row's 1 / rms, multiplies it in): 4 extra launches a layer. The one-launch
+norm + q/k/v + RoPE + KV write takes the q/k/v deltas the same way. (Were a slice's
 LoRA layer disabled or merged on its own, its group's live slices add their deltas one by one
 after an ungated GEMV, as peft would.)
 
@@ -154,7 +154,7 @@ class SmallBatchForward:
         group = lora.qkv if lora is not None else None
         alone = lora.qkv_alone if lora is not None else None
         norm = layer.in_norm
-        if self.cos_table is not None and not (group or alone):  # norm + q/k/v + RoPE + KV write
+        if self.cos_table is not None and not alone:  # norm + q/k/v (+ deltas) + RoPE + KV write
             return k.norm_qkv_rope(
                 h,
                 layer.qkv.weight,
@@ -170,6 +170,7 @@ class SmallBatchForward:
                 self.num_q_heads,
                 weight_scale=_scales(layer.qkv),
                 pdl=self.pdl,
+                lora=self._shrink(h, group, norm),
             )
         normed = torch.empty_like(h) if alone else None  # the deltas' input, from the GEMV
         qkv = self._norm_gemv(  # the deltas before the head norms, RoPE and the KV write
