@@ -145,6 +145,8 @@ def _paged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def _add(y, x, a, b, scale, slices: list[int] | None) -> None:
+    """The ops' body: y += the step's per-token deltas (slices: y's column slices, each with
+    its own R columns of the shrink and its own scale row)."""
     ctx = get_forward_context()
     batch = ctx.lora_groups if ctx is not None else None
     if batch is None:

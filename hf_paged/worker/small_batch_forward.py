@@ -129,8 +129,9 @@ class SmallBatchForward:
         )
 
     def _shrink(self, x, deltas: _Deltas | None, norm: nn.Module | None = None):
-        """The GEMV epilogue's LoRA input: one shrink of x (of norm(x) with norm) over the
-        deltas' stacked A; None without deltas."""
+        """The GEMV epilogue's LoRA input: one shrink of x (of x * the norm's weight with norm,
+        the GEMV multiplying in each row's 1 / rms) over the deltas' stacked A; None without
+        deltas."""
         if deltas is None:
             return None
         from hf_paged.kernels.lora import LoraEpilogue, lora_shrink
