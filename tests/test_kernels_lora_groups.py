@@ -116,16 +116,16 @@ def test_the_shrink_takes_the_norm_weight_and_leaves_the_rms_to_the_gemv():
         lora_shrink(x, a, *segments, norm_weight=w.float())
 
 
-def _epilogue(x, a, b, scale, slots, widths, norm=None):
+def _epilogue(x, a, b, scale, slots, widths, norm=None, split_k=None):
     segments = lora_segments(slots, a.shape[0])
     kw = {} if norm is None else dict(norm_weight=norm)
-    s = lora_shrink(x, a, *segments, **kw)
+    s = lora_shrink(x, a, *segments, split_k=split_k, **kw)
     return LoraEpilogue(s, b, scale, slots, widths, rms=norm is not None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_epilogue_adds_each_rows_delta_across_three_slices(dtype):
-    k, widths = 64, (20, 6, 6)  # a tile of the interpreter's (32 columns) holds all three
+    k, widths = 200, (20, 6, 6)  # a tile of the interpreter's (32 columns) holds all three
     a, b, scale, adapters = _group(k, widths, dtype, seed=4)
     g = torch.Generator().manual_seed(5)
     slots = torch.tensor([1, -1, 0, 2, 1], dtype=torch.int32)  # mixed slots, one row of none
@@ -133,7 +133,8 @@ def test_gemv_epilogue_adds_each_rows_delta_across_three_slices(dtype):
     w = (torch.randn(sum(widths), k, generator=g) / 8).to(dtype)
     bias = torch.randn(sum(widths), generator=g).to(dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    lora = _epilogue(x, a, b, scale, slots, widths, norm)
+    lora = _epilogue(x, a, b, scale, slots, widths, norm, split_k=3)
+    assert lora.s.shape[0] == 2  # partial sums the epilogue adds up
     got = fused_gemv(x, w, norm_weight=norm, eps=1e-5, bias=bias, lora=lora)
     want = fused_gemv_ref(x, w, norm_weight=norm, eps=1e-5, bias=bias, lora=lora)
     base = fused_gemv(x, w, norm_weight=norm, eps=1e-5, bias=bias)
@@ -187,7 +188,7 @@ def test_norm_qkv_rope_adds_the_qkv_deltas_before_rope(dtype, bias):
     from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
 
     g = torch.Generator().manual_seed(12)
-    hq, hkv, d, k = 4, 2, 16, 48
+    hq, hkv, d, k = 4, 2, 16, 200
     widths = (hq * d, hkv * d, hkv * d)
     n = sum(widths)
     a, b, scale, _ = _group(k, widths, dtype, seed=13)
@@ -200,7 +201,7 @@ def test_norm_qkv_rope_adds_the_qkv_deltas_before_rope(dtype, bias):
     args = (torch.randint(0, 50, (3,), generator=g), angles.cos().to(dtype), angles.sin().to(dtype))
     cache_slots = torch.tensor([5, 2, 9])
     caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(6)]
-    lora = _epilogue(x, a, b, scale, slots, widths, nw)
+    lora = _epilogue(x, a, b, scale, slots, widths, nw, split_k=3)
     q = norm_qkv_rope(x, w, bias_, nw, 1e-5, *args, *caches[:2], cache_slots, hq, lora=lora)
     q_ref = norm_qkv_rope_ref(
         x, w, bias_, nw, 1e-5, *args, *caches[2:4], cache_slots, hq, lora=lora

@@ -82,8 +82,9 @@ class Layer:
             a, b, scale, widths = self.groups[name]
             seg = lora_segments(slots, self.slots)
             kw = dict(norm_weight=self.norm) if normed else {}
-            split = max(1, min(16, x.shape[1] // 256))  # as the small-batch forward splits
-            s = lora_shrink(x, a, *seg, split_k=split, pdl=pdl, **kw)
+            from hf_paged.worker.small_batch_forward import _shrink_split
+
+            s = lora_shrink(x, a, *seg, split_k=_shrink_split(x), pdl=pdl, **kw)
             return LoraEpilogue(s, b, scale, slots, widths, rms=normed)
 
         def layer():

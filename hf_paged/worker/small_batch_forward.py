@@ -325,9 +325,11 @@ def _layer_lora(layer: Layer) -> _LayerLora | None:
 
 
 def _shrink_split(x: torch.Tensor) -> int:
-    """The shrink's programs along in_features for a small step: every GEMV program sums the
-    partial products of its rows, so at most 16 (16 x rank floats a row, read from L2)."""
-    return max(1, min(16, x.shape[1] // 256))
+    """The shrink's programs along in_features for a small step: each reads 128 columns of
+    its slot's A (two BLOCK_K steps: the shrink is on the layer's critical path, between two
+    GEMVs), and every GEMV program sums the partial products of its rows, so at most 16
+    (16 x rank floats a row and slice, read from L2). Not tuned on a GPU yet."""
+    return max(1, min(16, x.shape[1] // 128))
 
 
 def _add_deltas(y: torch.Tensor, x: torch.Tensor, wrappers: list, sizes=None) -> None:
