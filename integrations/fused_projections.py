@@ -33,7 +33,14 @@ _FUSED_PREFIX = "hf_paged_fused_"
 
 
 class FusedProjection(nn.Module):
-    """The concatenated weight of one group, and the product of the last input it saw."""
+    """The concatenated weight of one group, and the product of the last input it saw.
+
+    product_hook(fused, product, x, index): called on each product it computes, in place, before
+    the slices are handed out (index None: the whole product; else slice `index` alone, for an
+    input out of the group's order). Multi-LoRA sets it (hf_paged/lora/layers.py) to add every
+    slice's adapter deltas in one shrink and one expand over the contiguous product."""
+
+    product_hook = None
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         super().__init__()
@@ -78,11 +85,18 @@ class FusedProjection(nn.Module):
         return F.linear(x, self.weight[rows], bias)
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        hook = self.product_hook
         if index == 0:
-            self._parts = self.linear(x).split(self.sizes, dim=-1)
+            product = self.linear(x)
+            if hook is not None:
+                hook(self, product, x, None)
+            self._parts = product.split(self.sizes, dim=-1)
             self._input = x
         elif self._input is not x:  # not the group's usual call order: compute this slice only
-            return self.linear(x, self.rows(index))
+            out = self.linear(x, self.rows(index))
+            if hook is not None:
+                hook(self, out, x, index)
+            return out
         out = self._parts[index]
         if index == len(self.sizes) - 1:  # last of the group: hold no activations between calls
             self._input = self._parts = None

@@ -13,6 +13,10 @@ kernels another ~20 us. This kernel does one GEMV with, optionally:
   SiLU or GELU with the tanh approximation (GELU_TANH: Gemma 2's gelu_pytorch_tanh);
 - HAS_BIAS, RESIDUAL (y + residual, each rounded to the model dtype as torch would);
 - GATHER: x's rows picked by an index tensor (the logits rows a step keeps);
+- LORA: each row's LoRA delta (kernels/lora.py::LoraEpilogue: the shrink's output and the
+  stacked B read here) added to the product where peft adds it: after the bias, before the
+  activation (gate and up each get theirs) and the residual. Its own B rows are all a program
+  reads beyond the weights, so a projection's adapters cost one shrink launch and no expand;
 - PDL (Hopper): programmatic dependent launch. The kernel lets the next one be scheduled as soon
   as all its programs run (griddepcontrol.launch_dependents), and waits for the previous kernel's
   results (griddepcontrol.wait) only when it first reads them, so launch and ramp overlap the
@@ -30,6 +34,8 @@ against).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -37,6 +43,7 @@ import triton.language as tl
 
 from .fp8_gemv import dequantize_weight
 from .kv_write import check_launchable, interpreting
+from .lora import MAX_SLICES, LoraEpilogue, lora_epilogue_ref
 
 try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -85,20 +92,30 @@ def fused_gemv_ref(
     up_scale: torch.Tensor | None = None,
     norm_plus_one: bool = False,
     activation: str = "silu",
+    lora: LoraEpilogue | None = None,
 ) -> torch.Tensor:
     """What the kernel computes, as the transformers modules it replaces compute it (FP8
-    weights with their block scales: as Fp8Linear's weight-only product)."""
+    weights with their block scales: as Fp8Linear's weight-only product; LoRA deltas as peft
+    adds them to the base product)."""
     if weight_scale is not None:
         weight = dequantize_weight(weight, weight_scale).to(x.dtype)
     if up_scale is not None:
         up_weight = dequantize_weight(up_weight, up_scale).to(x.dtype)
     if rows is not None:
         x = x[rows]
+    inv_rms = None
     if norm_weight is not None:
+        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + eps)
         x = rms_norm_ref(x, norm_weight, eps, norm_plus_one)
     y = F.linear(x, weight, bias)
+    n = y.shape[-1]
+    if lora is not None:
+        y = lora_epilogue_ref(lora, y, slice(0, n), inv_rms)
     if up_weight is not None:
-        y = _ACTIVATIONS[activation](y) * F.linear(x, up_weight)
+        up = F.linear(x, up_weight)
+        if lora is not None:
+            up = lora_epilogue_ref(lora, up, slice(n, 2 * n), inv_rms)
+        y = _ACTIVATIONS[activation](y) * up
     if residual is not None:
         y = residual + y
     return y
@@ -150,7 +167,7 @@ def _weight_tile(
     return load_weights(w_ptr + offs, mask).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_lss"])
 def _fused_gemv_kernel(
     x_ptr,
     rows_ptr,
@@ -163,6 +180,11 @@ def _fused_gemv_kernel(
     r_ptr,
     y_ptr,
     no_ptr,  # [M, K] the normalised rows (NORM_OUT)
+    ls_ptr,  # f32 [LORA_SPLIT, M, slices * R] the rows' LoRA shrink (LORA)
+    lb_ptr,  # [S, N, R] B of the columns (GATED: of the gate rows)
+    lb2_ptr,  # [S, N, R] GATED: B of the up rows
+    lsc_ptr,  # f32 [slices, S]
+    lslot_ptr,  # int32 [M] each row's slot, -1: none
     M,
     N,
     eps,
@@ -176,6 +198,15 @@ def _fused_gemv_kernel(
     stride_rm,
     stride_ym,
     stride_nom,
+    LORA_SPLIT,
+    stride_lss,
+    stride_lsm,
+    stride_lbs,
+    stride_lbn,
+    stride_lsc,
+    LORA_E0,  # the end column of slice 0, and of slice 1
+    LORA_E1,
+    LORA_R,
     K: tl.constexpr,
     K_PAD: tl.constexpr,  # next power of 2
     BLOCK_M: tl.constexpr,
@@ -191,6 +222,9 @@ def _fused_gemv_kernel(
     ROWS_I32: tl.constexpr,
     SCALED: tl.constexpr,
     NORM_OUT: tl.constexpr,
+    LORA_SLICES: tl.constexpr,  # 0: no LoRA; GATED: 2 (gate, up)
+    LORA_BLOCK_R: tl.constexpr,
+    LORA_RMS: tl.constexpr,  # the shrink took x * g: each row's delta input times 1 / rms
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
     # issued first, before the wait on the previous kernel (with PDL they stream while it
@@ -230,8 +264,11 @@ def _fused_gemv_kernel(
             )  # fmt: skip
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = x_raw.to(tl.float32)
+            row_scale = 1.0  # of the LoRA shrink's rows (LORA_RMS: x * g, not yet / rms)
             if NORM:
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+                if LORA_RMS:
+                    row_scale = inv_rms
                 if NORM_PLUS_ONE:
                     x = (x * inv_rms * (1.0 + g)).to(dt).to(tl.float32)
                 else:
@@ -242,18 +279,80 @@ def _fused_gemv_kernel(
             y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
             if HAS_BIAS:
                 y += bias
+            if LORA_SLICES:
+                slot = tl.load(lslot_ptr + m)
+                adapted = slot >= 0
+                slot = tl.maximum(slot, 0)  # rows of no adapter: computed, then not used
+                if GATED:  # gate rows: slice 0, up rows: slice 1
+                    d = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
+                                    stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
+                                    n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0, 1,
+                                    LORA_BLOCK_R)  # fmt: skip
+                    d2 = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb2_ptr,
+                                     stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
+                                     n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 1, 1,
+                                     LORA_BLOCK_R)  # fmt: skip
+                else:
+                    d = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
+                                    stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
+                                    n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0,
+                                    LORA_SLICES, LORA_BLOCK_R)  # fmt: skip
+                    # peft: the base product rounded, plus the delta, rounded again
+                    y = y.to(dt).to(tl.float32)
+                    y = tl.where(adapted, (y + d).to(dt).to(tl.float32), y)
             if GATED:
                 gate = y.to(dt).to(tl.float32)
+                if LORA_SLICES:
+                    gate = tl.where(adapted, (gate + d).to(dt).to(tl.float32), gate)
                 if GELU_TANH:  # tanh(u) = 1 - 2 / (exp(2u) + 1): inf-safe both ways
                     u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
                     act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
                 else:
                     act = gate / (1.0 + tl.exp(-gate))
                 act = act.to(dt).to(tl.float32)
-                y = act * tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
+                up = tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
+                if LORA_SLICES:
+                    up = tl.where(adapted, (up + d2).to(dt).to(tl.float32), up)
+                y = act * up
             if RESIDUAL:
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
+
+
+@triton.jit
+def _lora_delta(s_ptr, m: tl.constexpr, SPLIT, stride_ss, stride_sm, b_ptr, stride_bs, stride_bn,
+                sc_ptr, stride_sc, slot, offs_n, n_mask, E0, E1, R, row_scale,
+                FIRST: tl.constexpr, SLICES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    # row m's delta over the program's columns [BLOCK_N] (float32): B[slot]'s rows of them
+    # times the shrink's R columns of each column's slice (slices FIRST.. FIRST + SLICES - 1;
+    # a tile may straddle q/k/v, so each slice's product is kept where its columns are)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
+        + offs_r[None, :],
+        mask=n_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )  # fmt: skip
+    dt = b_ptr.dtype.element_ty
+    b = b.to(tl.float32)
+    part = (offs_n >= E0).to(tl.int32) + (offs_n >= E1).to(tl.int32)
+    delta = tl.zeros([offs_n.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(SLICES):
+        h = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k in range(SPLIT):
+            h += tl.load(
+                s_ptr + k * stride_ss + m * stride_sm + (FIRST + i) * R + offs_r,
+                mask=r_mask,
+                other=0.0,
+            )
+        h = (h * row_scale).to(dt).to(tl.float32)  # peft rounds lora_A's output so
+        d = tl.sum(b * h[None, :], axis=1) * tl.load(sc_ptr + (FIRST + i) * stride_sc + slot)
+        if SLICES == 1:
+            delta = d
+        else:
+            delta = tl.where(part == i, d, delta)
+    return delta
 
 
 @triton.jit
@@ -345,6 +444,38 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype) 
         raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
 
 
+def _lora_args(lora: LoraEpilogue | None, m: int, n: int, gated: bool, gather: bool, device):
+    """The kernel's LoRA arguments (checked), or those of no LoRA."""
+    if lora is None:
+        return dict(pointers=None, scalars=(1, 0, 0, 0, 0, 0, 0, 0, 1), slices=0, block_r=1)
+    slices = tuple(int(w) for w in lora.slices)
+    num_slots, rows, r = lora.b.shape
+    want = (n, n) if gated else None
+    if gather or not 1 <= len(slices) <= MAX_SLICES or sum(slices) != rows:
+        raise ValueError(f"lora: slices {slices} must cover B's {rows} rows (and no rows gather)")
+    if (want is not None and slices != want) or (not gated and rows != n):
+        raise ValueError(f"lora: B's rows {rows} (slices {slices}) do not fit the {n} outputs")
+    s, scale, slots = lora.s, lora.scale, lora.slots
+    if s.dim() != 3 or s.shape[1:] != (m, len(slices) * r) or s.dtype != torch.float32:
+        raise ValueError(f"lora: s must be float32 [split, {m}, {len(slices) * r}], got {s.shape}")
+    if scale.shape != (len(slices), num_slots) or scale.dtype != torch.float32:
+        raise ValueError(f"lora: scale must be float32 [{len(slices)}, {num_slots}]")
+    if slots.shape != (m,) or slots.dtype != torch.int32:
+        raise ValueError(f"lora: slots must be int32 [{m}], got {slots.dtype} {list(slots.shape)}")
+    for name, t in (("s", s), ("b", lora.b), ("scale", scale), ("slots", slots)):
+        if t.stride(-1) != 1 or t.device != device:
+            raise ValueError(f"lora: {name} must be on {device}, contiguous in its last dimension")
+    ends = list(itertools.accumulate(slices))
+    b2 = lora.b[:, n:] if gated else lora.b
+    return dict(
+        pointers=(s, lora.b, b2, scale, slots),
+        scalars=(s.shape[0], s.stride(0), s.stride(1), lora.b.stride(0), lora.b.stride(1),
+                 scale.stride(0), ends[0], ends[1] if len(ends) > 2 else rows, r),
+        slices=len(slices),
+        block_r=max(2, triton.next_power_of_2(r)),
+    )  # fmt: skip
+
+
 def fused_gemv(
     x: torch.Tensor,  # [R, K]
     weight: torch.Tensor,  # [N, K]
@@ -362,12 +493,14 @@ def fused_gemv(
     activation: str = "silu",
     pdl: bool = False,
     config: dict | None = None,
+    lora: LoraEpilogue | None = None,
 ) -> torch.Tensor:
     """fused_gemv_ref(...) by one Triton launch, for at most MAX_ROWS output rows (rows picks
     them from x, else all of x's rows). FP8 weights (float8_e4m3fn) come with their float32
     block scales [N, ceil(K / 128)] (weight_scale, and up_scale with up_weight), any strides.
     norm_out [M, K] (with norm_weight, no rows): also receives RMSNorm(x), the input of the
-    product (a LoRA delta of the same projection reads it instead of normalising again)."""
+    product (a LoRA delta of the same projection reads it instead of normalising again).
+    lora: each row's LoRA delta added in the epilogue (no rows gather)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)}: in_features differ")
     dtype = x.dtype
@@ -403,10 +536,13 @@ def fused_gemv(
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous in its last dimension, strides {x.stride()}")
     check_launchable(x, "x")
+    if lora is not None and lora.rms and norm_weight is None:
+        raise ValueError("lora.rms (a shrink of x * norm_weight) needs norm_weight")
+    gated = up_weight is not None
+    lora_args = _lora_args(lora, m, n, gated, rows is not None, x.device)
     y = torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    gated = up_weight is not None
     nbytes = n * k * weight.element_size() * (2 if gated else 1)
     itemsize = weight.element_size()
     cfg = dict(config) if config is not None else tile_config(k, gated, nbytes, itemsize)
@@ -431,6 +567,7 @@ def fused_gemv(
         residual if residual is not None else y,
         y,
         norm_out if norm_out is not None else y,
+        *lora_args["pointers"] or (y,) * 5,
         m,
         n,
         float(eps),
@@ -442,6 +579,7 @@ def fused_gemv(
         (residual if residual is not None else y).stride(0),
         y.stride(0),
         (norm_out if norm_out is not None else y).stride(0),
+        *lora_args["scalars"],
         K=k,
         K_PAD=triton.next_power_of_2(k),
         BLOCK_M=triton.next_power_of_2(m),
@@ -457,6 +595,9 @@ def fused_gemv(
         ROWS_I32=_rows_i32(weight) and (up_weight is None or _rows_i32(up_weight)),
         SCALED=scaled,
         NORM_OUT=norm_out is not None,
+        LORA_SLICES=lora_args["slices"],
+        LORA_BLOCK_R=lora_args["block_r"],
+        LORA_RMS=lora is not None and lora.rms,
         **cfg,
     )
     return y

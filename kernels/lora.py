@@ -17,15 +17,32 @@ shrink splits the input dimension over SPLIT_K programs and writes SPLIT_K parti
 expand sums them when it loads them. A decode step has a handful of tokens: without the split,
 one program would walk a whole 4096-wide slot of A alone, with it the reads spread over 16.
 The sum is in a fixed order (no atomics): the result does not vary between runs.
+
+Groups: a fused projection (q/k/v as one [q | k | v] product, gate/up as one) takes one shrink
+over its slices' A stacked along the rank ([S, slices * R, in]) and one expand over its product:
+`slices` gives each slice's width, B is [S, sum(widths), R] (each output column reads its own
+slice's R columns of the shrink's output) and scale [slices, S]. Expand tiles never straddle two
+slices, so each program still makes one dot. The small-batch forward adds the same deltas inside
+its GEMVs instead (kernels/fused_gemv.py, LoraEpilogue): one shrink launch per group, no expand.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .kv_write import check_launchable
+
+try:  # Triton >= 3.3: programmatic dependent launch (see kernels/fused_gemv.py)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: pdl stays off
+    gdc_launch_dependents = gdc_wait = None
+
+MAX_SLICES = 3  # q/k/v
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -39,6 +56,7 @@ def _lora_shrink_kernel(
     out_ptr,  # f32 [SPLIT_K, T, R]
     sorted_ptr,  # int32 [T] token indices grouped by slot
     start_ptr,  # int32 [S + 1] slot s owns sorted_tokens[start[s]:start[s + 1]]
+    nw_ptr,  # [K] RMSNorm weight (NORM)
     K,
     R,
     stride_xt,
@@ -52,7 +70,13 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_PLUS_ONE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the next GEMV may load its weights now; it waits for our output itself
+        gdc_launch_dependents()
+        gdc_wait()  # x and the segments come from earlier kernels
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot = tl.program_id(2)
@@ -76,6 +100,11 @@ def _lora_shrink_kernel(
                 mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )
+            if NORM:  # x * g: the row's 1 / rms is the GEMV's to multiply by (see lora_shrink)
+                g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                if NORM_PLUS_ONE:
+                    g = 1.0 + g
+                xt = xt.to(tl.float32) * g[None, :]
             at = tl.load(
                 a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
                 mask=r_mask[:, None] & k_mask[None, :],
@@ -94,19 +123,22 @@ def _lora_shrink_kernel(
 
 @triton.jit(do_not_specialize=["stride_ss", "SPLIT_K"])
 def _lora_expand_kernel(
-    y_ptr,  # [T, N] the base layer's output, updated in place
-    s_ptr,  # f32 [SPLIT_K, T, R] shrink's partial products
-    b_ptr,  # [S, N, R] stacked B
-    scale_ptr,  # f32 [S]
+    y_ptr,  # [T, N0 + N1 + N2] the base product, updated in place
+    s_ptr,  # f32 [SPLIT_K, T, SLICES * R] shrink's partial products
+    b_ptr,  # [S, N0 + N1 + N2, R] stacked B, each slice's rows in turn
+    scale_ptr,  # f32 [SLICES, S]
     sorted_ptr,  # int32 [T]
     start_ptr,  # int32 [S + 1]
-    N,
+    N0,  # the slices' widths (0: no such slice)
+    N1,
+    N2,
     R,
     stride_yt,
     stride_ss,
     stride_st,
     stride_bs,
     stride_bn,
+    stride_ci,  # scale's stride between slices
     SPLIT_K,  # a run-time loop bound: the split follows the token count (_split_k)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -121,21 +153,32 @@ def _lora_expand_kernel(
     end = tl.load(start_ptr + slot + 1)
     m0 = begin + pid_m * BLOCK_M
     if m0 < end:
+        # axis 1 runs over each slice's column tiles in turn: a tile lies in one slice, so its
+        # rows of B all read that slice's R columns of s (one dot)
+        tiles0 = tl.cdiv(N0, BLOCK_N)
+        tiles1 = tiles0 + tl.cdiv(N1, BLOCK_N)
+        in1 = pid_n >= tiles0
+        in2 = pid_n >= tiles1
+        part = in1.to(tl.int32) + in2.to(tl.int32)
+        col0 = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
+        tile0 = tl.where(in2, tiles1, tl.where(in1, tiles0, 0))
+        width = tl.where(in2, N2, tl.where(in1, N1, N0))
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
         tokens = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         s_mask = m_mask[:, None] & r_mask[None, :]
+        s_cols = part * R + offs_r
         s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for i in range(SPLIT_K):
             s += tl.load(
-                s_ptr + i * stride_ss + tokens[:, None] * stride_st + offs_r[None, :],
+                s_ptr + i * stride_ss + tokens[:, None] * stride_st + s_cols[None, :],
                 mask=s_mask,
                 other=0.0,
             )
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+        offs_n = col0 + (pid_n - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col0 + width
         b = tl.load(
             b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
             mask=n_mask[:, None] & r_mask[None, :],
@@ -146,7 +189,7 @@ def _lora_expand_kernel(
         if DOT_UPCAST:
             s, b = s.to(tl.float32), b.to(tl.float32)
         delta = tl.dot(s, tl.trans(b), input_precision=DOT_PRECISION)
-        delta = delta * tl.load(scale_ptr + slot)
+        delta = delta * tl.load(scale_ptr + part * stride_ci + slot)
         y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :]
         y_mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -206,6 +249,16 @@ def _split_k(num_tokens: int, k: int, block_m: int, block_k: int) -> int:
     return max(1, min(k // (4 * block_k), 128 // tiles))
 
 
+def _check_norm(norm_weight, k: int, x: torch.Tensor) -> None:
+    if norm_weight is not None and (
+        norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1
+    ):
+        raise ValueError(
+            f"norm_weight must be contiguous [{k}] of {x.dtype}, got {norm_weight.dtype} "
+            f"{tuple(norm_weight.shape)}"
+        )
+
+
 def lora_shrink(
     x: torch.Tensor,  # [T, in]
     a_stack: torch.Tensor,  # [S, R, in]
@@ -213,9 +266,16 @@ def lora_shrink(
     slot_start: torch.Tensor,  # int32 [S + 1]
     *,
     split_k: int | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_plus_one: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:  # f32 [SPLIT_K, T, R]; rows of tokens without an adapter are not written
     """x @ A[slot]^T for each token with a slot, as SPLIT_K partial sums (lora_expand sums
-    them)."""
+    them). norm_weight: (x * norm_weight) @ A[slot]^T (x * (1 + norm_weight) with
+    norm_plus_one), RMSNorm(x) @ A[slot]^T but for each row's 1 / rms, which a NORM
+    fused_gemv computes for the row anyway and multiplies in (LoraEpilogue.rms): a program
+    then reads only its split of the row, where computing the rms here would walk each whole
+    row first. pdl: programmatic dependent launch between the small-batch GEMVs (sm_90+)."""
     _check_stack("x", x, 2)
     _check_stack("a_stack", a_stack)
     check_launchable(x, "x")
@@ -224,6 +284,7 @@ def lora_shrink(
     if k_a != k or a_stack.device != x.device:
         raise ValueError(f"a_stack {tuple(a_stack.shape)} does not fit x {tuple(x.shape)}")
     _check_segments(sorted_tokens, slot_start, t, num_slots)
+    _check_norm(norm_weight, k, x)
     block_m = 16 if t <= 256 else 64
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     split = split_k or _split_k(t, k, block_m, block_k)
@@ -235,26 +296,56 @@ def lora_shrink(
     grid = (triton.cdiv(t, block_m), split, num_slots)
     _lora_shrink_kernel[grid](
         x, a_stack, out, sorted_tokens, slot_start,
-        k, r, x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0), out.stride(1),
-        k_per_split,
+        norm_weight if norm_weight is not None else x,
+        k, r, x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0),
+        out.stride(1), k_per_split,
         BLOCK_M=block_m,
         BLOCK_R=max(16, triton.next_power_of_2(r)),
         BLOCK_K=block_k,
         DOT_PRECISION=_precision(a_stack),
         DOT_UPCAST=_upcast(a_stack),
+        NORM=norm_weight is not None,
+        NORM_PLUS_ONE=norm_plus_one,
+        PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
 
+def _slices(widths: Sequence[int] | None, n: int) -> tuple[int, ...]:
+    widths = tuple(int(w) for w in (widths or (n,)))
+    if not 1 <= len(widths) <= MAX_SLICES or sum(widths) != n or min(widths) < 0:
+        raise ValueError(
+            f"slices must be 1 to {MAX_SLICES} widths summing to the product's {n} columns, "
+            f"got {widths}"
+        )
+    return widths
+
+
+def _check_scale(scale: torch.Tensor, slices: int, num_slots: int) -> torch.Tensor:
+    """scale as [slices, S] (a one-slice [S] is viewed so)."""
+    if scale.dim() == 1 and slices == 1:
+        scale = scale[None]
+    if scale.shape != (slices, num_slots) or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+        raise ValueError(
+            f"scale must be float32 [{num_slots}] or [{slices}, {num_slots}] (one row a slice), "
+            f"got {scale.dtype} {tuple(scale.shape)}"
+        )
+    return scale
+
+
 def lora_expand(
     y: torch.Tensor,  # [T, out], updated in place
-    s: torch.Tensor,  # f32 [SPLIT_K, T, R] from lora_shrink
+    s: torch.Tensor,  # f32 [SPLIT_K, T, slices * R] from lora_shrink
     b_stack: torch.Tensor,  # [S, out, R]
-    scale: torch.Tensor,  # f32 [S]
+    scale: torch.Tensor,  # f32 [S], or [slices, S]
     sorted_tokens: torch.Tensor,  # int32 [T]
     slot_start: torch.Tensor,  # int32 [S + 1]
+    slices: Sequence[int] | None = None,
 ) -> None:
-    """y[t] += s[t] @ B[slot_t]^T * scale[slot_t] for each token with a slot."""
+    """y[t] += s[t] @ B[slot_t]^T * scale[slot_t] for each token with a slot. With slices (the
+    widths of y's column slices, in order, at most 3): slice i's columns take s's columns
+    [i * R, (i + 1) * R) and scale[i]: one launch for a fused projection's whole product."""
     _check_stack("y", y, 2)
     _check_stack("b_stack", b_stack)
     check_launchable(y, "y")
@@ -262,19 +353,23 @@ def lora_expand(
     num_slots, n_b, r = b_stack.shape
     if n_b != n or b_stack.device != y.device:
         raise ValueError(f"b_stack {tuple(b_stack.shape)} does not fit y {tuple(y.shape)}")
-    if s.dim() != 3 or s.shape[1:] != (t, r) or s.dtype != torch.float32 or s.stride(-1) != 1:
-        raise ValueError(f"s must be float32 [split, {t}, {r}], got {s.dtype} {tuple(s.shape)}")
-    if scale.shape != (num_slots,) or scale.dtype != torch.float32:
-        raise ValueError(f"scale must be float32 [{num_slots}], got {scale.dtype} {scale.shape}")
+    widths = _slices(slices, n)
+    rs = len(widths) * r
+    if s.dim() != 3 or s.shape[1:] != (t, rs) or s.dtype != torch.float32 or s.stride(-1) != 1:
+        raise ValueError(f"s must be float32 [split, {t}, {rs}], got {s.dtype} {tuple(s.shape)}")
+    scale = _check_scale(scale, len(widths), num_slots)
     _check_segments(sorted_tokens, slot_start, t, num_slots)
     if t == 0:
         return
     block_m = 16 if t <= 256 else 64
-    block_n = min(128, max(16, triton.next_power_of_2(n)))
-    grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n), num_slots)
+    block_n = min(128, max(16, triton.next_power_of_2(max(widths))))
+    n0, n1, n2 = (*widths, 0, 0)[:3]
+    tiles = sum(triton.cdiv(w, block_n) for w in widths)
+    grid = (triton.cdiv(t, block_m), tiles, num_slots)
     _lora_expand_kernel[grid](
         y, s, b_stack, scale, sorted_tokens, slot_start,
-        n, r, y.stride(0), s.stride(0), s.stride(1), b_stack.stride(0), b_stack.stride(1),
+        n0, n1, n2, r, y.stride(0), s.stride(0), s.stride(1), b_stack.stride(0),
+        b_stack.stride(1), scale.stride(0),
         SPLIT_K=s.shape[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -286,6 +381,50 @@ def lora_expand(
     )  # fmt: skip
 
 
+@dataclass(slots=True)
+class LoraEpilogue:
+    """Per-row LoRA deltas for kernels/fused_gemv.py to add to its product where peft adds
+    them (after the bias, before the activation and the residual): row m gets
+    (s[m] @ B[slot_m]^T) * scale[slot_m], slice by slice as lora_expand computes them; rows of
+    slot -1 are left bit-exact. Reading B inside the GEMV costs no expand launch, and B (R
+    columns a weight row) is a small fraction of the weight rows the GEMV streams anyway."""
+
+    s: torch.Tensor  # f32 [SPLIT_K, M, slices * R] lora_shrink's partial sums of the rows
+    b: torch.Tensor  # [S, N, R] the group's B; a gated GEMV: the gate rows, then the up rows
+    scale: torch.Tensor  # f32 [slices, S]
+    slots: torch.Tensor  # int32 [M] each row's slot, -1: none
+    slices: tuple[int, ...]  # widths over b's rows (gated: exactly (gate rows, up rows))
+    # s is of x * norm_weight (lora_shrink's norm_weight): the NORM GEMV multiplies each row's
+    # by its 1 / rms
+    rms: bool = False
+
+
+def lora_epilogue_ref(
+    e: LoraEpilogue,
+    y: torch.Tensor,
+    columns: slice = slice(None),
+    inv_rms: torch.Tensor | None = None,
+):
+    """y [M, n] (the product's columns `columns` of the group's, rounded) plus each row's delta,
+    rounded once (what fused_gemv's epilogue computes); inv_rms [M]: each row's 1 / rms
+    (e.rms)."""
+    s = e.s.sum(0) if e.s.dim() == 3 else e.s
+    if e.rms:
+        s = s * inv_rms[:, None]
+    r = e.b.shape[-1]
+    delta = torch.zeros(y.shape[0], e.b.shape[1], dtype=torch.float32, device=y.device)
+    start = 0
+    for i, width in enumerate(e.slices):
+        for m, slot in enumerate(e.slots.tolist()):
+            if slot >= 0:
+                h = s[m, i * r : (i + 1) * r].to(e.b.dtype).float()
+                b = e.b[slot, start : start + width].float()
+                delta[m, start : start + width] = (h @ b.T) * e.scale[i, slot]
+        start += width
+    out = (y.float() + delta[:, columns]).to(y.dtype)
+    return torch.where((e.slots >= 0)[:, None], out, y)
+
+
 def _slot_tokens(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(slot, the indices of its tokens) for each slot some token uses (a host sync)."""
     used = torch.unique(token_slots[token_slots >= 0]).tolist()
@@ -293,11 +432,18 @@ def _slot_tokens(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 
 def lora_shrink_ref(
-    x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_plus_one: bool = False,
 ) -> torch.Tensor:  # f32 [T, R]; zero where a token has no slot
-    """x @ A[slot]^T per token, in the adapters' dtype: each used slot's tokens gathered (the
-    engine runs this inside an opaque custom op, so the data-dependent shapes never reach
-    torch.compile or a graph)."""
+    """x @ A[slot]^T per token (of x * norm_weight with norm_weight, as lora_shrink), in the
+    adapters' dtype: each used slot's tokens gathered (the engine runs this inside an opaque
+    custom op, so the data-dependent shapes never reach torch.compile or a graph)."""
+    if norm_weight is not None:
+        x = x.float() * (norm_weight.float() + (1.0 if norm_plus_one else 0.0))
     out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
     for slot, index in _slot_tokens(token_slots):
         h = x.index_select(0, index).to(a_stack.dtype) @ a_stack[slot].T
@@ -307,18 +453,27 @@ def lora_shrink_ref(
 
 def lora_expand_ref(
     y: torch.Tensor,
-    s: torch.Tensor,  # f32 [T, R], or [SPLIT_K, T, R] partial sums
+    s: torch.Tensor,  # f32 [T, slices * R], or [SPLIT_K, T, slices * R] partial sums
     b_stack: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor,  # [S] or [slices, S]
     token_slots: torch.Tensor,
+    slices: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """y + s @ B[slot]^T * scale[slot] per token (rows without a slot: y as it is), as peft
-    computes result + lora_B(lora_A(x)) * scaling."""
+    computes result + lora_B(lora_A(x)) * scaling; with slices, each column slice from its own
+    R columns of s and its own scale."""
     if s.dim() == 3:
         s = s.sum(0)
+    widths = _slices(slices, y.shape[-1])
+    scale = scale[None] if scale.dim() == 1 else scale
+    r = b_stack.shape[-1]
     out = y.clone()
-    for slot, index in _slot_tokens(token_slots):
-        h = s.index_select(0, index).to(b_stack.dtype)
-        delta = (h @ b_stack[slot].T) * scale[slot].to(b_stack.dtype)
-        out.index_add_(0, index, delta.to(y.dtype))
+    start = 0
+    for i, width in enumerate(widths):
+        cols = slice(start, start + width)
+        for slot, index in _slot_tokens(token_slots):
+            h = s[:, i * r : (i + 1) * r].index_select(0, index).to(b_stack.dtype)
+            delta = (h @ b_stack[slot, cols].T) * scale[i, slot].to(b_stack.dtype)
+            out[:, cols] = out[:, cols].index_add(0, index, delta.to(y.dtype))
+        start += width
     return out

@@ -9,6 +9,10 @@ makes a round trip through memory, and a ~2 us launch per layer goes away.
 cos/sin come from tables over positions, [max_positions, D/2] (the rotate-half convention's
 tables repeat after D/2 columns: `SmallBatchForward` checks that before using this kernel), read
 at each row's position. Rounding follows transformers op by op, as fused_gemv and rope_write_kv do.
+
+LoRA on q/k/v (lora: kernels/lora.py::LoraEpilogue of the group's shrink of x * norm weight):
+each row's delta is added to the projection before RoPE and the cache write, as fused_gemv's
+epilogue adds it, so adapters keep this one launch (after their shrink).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from .fused_gemv import (
     _ELEMS_PER_THREAD,
     _MAX_WARPS,
     MAX_ROWS,
+    _lora_args,
+    _lora_delta,
     _row_mask,
     apply_block_scales,
     fused_gemv_ref,
@@ -29,23 +35,26 @@ from .fused_gemv import (
     load_weights,
 )
 from .kv_write import check_kv_cache_pair, check_launchable
+from .lora import LoraEpilogue
 from .rope_kv import rope_write_kv_ref, rotate_halves
 
 
 def norm_qkv_rope_ref(
     x, weight, bias, norm_weight, eps, positions, cos_table, sin_table,
-    key_cache, value_cache, slot_mapping, num_q_heads, weight_scale=None,
+    key_cache, value_cache, slot_mapping, num_q_heads, weight_scale=None, lora=None,
 ):  # fmt: skip
-    """fused_gemv_ref (NORM) then rope_write_kv_ref, cos/sin gathered from the half tables."""
+    """fused_gemv_ref (NORM, with the LoRA deltas) then rope_write_kv_ref, cos/sin gathered
+    from the half tables."""
     qkv = fused_gemv_ref(
-        x, weight, norm_weight=norm_weight, eps=eps, bias=bias, weight_scale=weight_scale
-    )
+        x, weight, norm_weight=norm_weight, eps=eps, bias=bias, weight_scale=weight_scale,
+        lora=lora,
+    )  # fmt: skip
     cos = cos_table[positions].repeat(1, 2)
     sin = sin_table[positions].repeat(1, 2)
     return rope_write_kv_ref(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_lss"])
 def _norm_qkv_rope_kernel(
     x_ptr,  # [M, K] residual stream
     nw_ptr,  # [K] RMSNorm weight
@@ -59,6 +68,10 @@ def _norm_qkv_rope_kernel(
     kc_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
     vc_ptr,
     slot_ptr,  # int64 [M]
+    ls_ptr,  # f32 [LORA_SPLIT, M, 3 * R] the rows' LoRA shrink of x * g (LORA)
+    lb_ptr,  # [S, (Hq + 2 Hkv) * D, R] the group's B
+    lsc_ptr,  # f32 [3, S]
+    lslot_ptr,  # int32 [M] each row's adapter slot, -1: none
     M,
     eps,
     stride_xm,
@@ -72,6 +85,15 @@ def _norm_qkv_rope_kernel(
     stride_vc_b,
     stride_vc_s,
     stride_vc_h,
+    LORA_SPLIT,
+    stride_lss,
+    stride_lsm,
+    stride_lbs,
+    stride_lbn,
+    stride_lsc,
+    LORA_E0,  # the end rows of q and of k
+    LORA_E1,
+    LORA_R,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -83,6 +105,8 @@ def _norm_qkv_rope_kernel(
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
     SCALED: tl.constexpr,
+    LORA: tl.constexpr,
+    LORA_BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -142,6 +166,59 @@ def _norm_qkv_rope_kernel(
             if HAS_BIAS:
                 y1 += b1
                 y2 += b2
+            if LORA:  # the deltas before RoPE: rounded product + delta, rounded (as peft)
+                lslot = tl.load(lslot_ptr + m)
+                adapted = lslot >= 0
+                lslot = tl.maximum(lslot, 0)
+                every = rows1 >= 0
+                d1 = _lora_delta(
+                    ls_ptr,
+                    m,
+                    LORA_SPLIT,
+                    stride_lss,
+                    stride_lsm,
+                    lb_ptr,
+                    stride_lbs,
+                    stride_lbn,
+                    lsc_ptr,
+                    stride_lsc,
+                    lslot,
+                    rows1,
+                    every,
+                    LORA_E0,
+                    LORA_E1,
+                    LORA_R,
+                    inv_rms,
+                    0,
+                    3,
+                    LORA_BLOCK_R,
+                )
+                d2 = _lora_delta(
+                    ls_ptr,
+                    m,
+                    LORA_SPLIT,
+                    stride_lss,
+                    stride_lsm,
+                    lb_ptr,
+                    stride_lbs,
+                    stride_lbn,
+                    lsc_ptr,
+                    stride_lsc,
+                    lslot,
+                    rows2,
+                    every,
+                    LORA_E0,
+                    LORA_E1,
+                    LORA_R,
+                    inv_rms,
+                    0,
+                    3,
+                    LORA_BLOCK_R,
+                )
+                y1 = y1.to(dt).to(tl.float32)
+                y2 = y2.to(dt).to(tl.float32)
+                y1 = tl.where(adapted, (y1 + d1).to(dt).to(tl.float32), y1)
+                y2 = tl.where(adapted, (y2 + d2).to(dt).to(tl.float32), y2)  # fmt: skip
             row = (offs_m == m)[:, None]
             y1s = tl.where(row, y1.to(dt).to(tl.float32)[None, :], y1s)
             y2s = tl.where(row, y2.to(dt).to(tl.float32)[None, :], y2s)
@@ -197,6 +274,7 @@ def norm_qkv_rope(
     *,
     weight_scale: torch.Tensor | None = None,  # FP8 weight: float32 [N, ceil(K / 128)]
     pdl: bool = False,
+    lora: LoraEpilogue | None = None,  # q/k/v's deltas: 3 slices, s of x * norm_weight
 ) -> torch.Tensor:  # rotated queries [T, Hq, D]
     """norm_qkv_rope_ref by one Triton launch, for at most MAX_ROWS tokens."""
     check_kv_cache_pair(key_cache, value_cache)
@@ -232,6 +310,13 @@ def norm_qkv_rope(
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     check_launchable(x, "x")
+    widths = (num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    if lora is not None and (tuple(lora.slices) != widths or not lora.rms):
+        raise ValueError(
+            f"lora: slices must be q/k/v's {widths} and s of x * norm_weight (rms), got "
+            f"{tuple(lora.slices)} rms={lora.rms}"
+        )
+    lora_args = _lora_args(lora, t, n, False, False, x.device)
     q = torch.empty((t, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     if t == 0:
         return q
@@ -251,6 +336,8 @@ def norm_qkv_rope(
         key_cache,
         value_cache,
         slot_mapping,
+        *lora_args["pointers"][:2] if lora is not None else (q, q),
+        *lora_args["pointers"][3:] if lora is not None else (q, q),
         t,
         float(eps),
         x.stride(0),
@@ -263,6 +350,7 @@ def norm_qkv_rope(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
+        *lora_args["scalars"],
         K=k,
         K_PAD=triton.next_power_of_2(k),
         BLOCK_M=triton.next_power_of_2(t),
@@ -274,6 +362,8 @@ def norm_qkv_rope(
         HAS_BIAS=bias is not None,
         PDL=pdl,
         SCALED=scaled,
+        LORA=lora is not None,
+        LORA_BLOCK_R=lora_args["block_r"],
         **cfg,
     )
     return q

@@ -21,7 +21,14 @@ def _run(*args: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "script", ["engine_bench.py", "kernel_bench.py", "lora_bench.py", "fp8_gemv_bench.py"]
+    "script",
+    [
+        "engine_bench.py",
+        "kernel_bench.py",
+        "lora_bench.py",
+        "lora_kernel_bench.py",
+        "fp8_gemv_bench.py",
+    ],
 )
 def test_gpu_scripts_parse_their_flags(script):
     text = _run(str(PROFILING / script), "--help")

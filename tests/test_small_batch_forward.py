@@ -249,8 +249,8 @@ def test_warm_up_compiles_every_row_count_it_will_run(tiny_model, monkeypatch, r
 def test_lora_adapters_in_the_small_batch_forward(peft_model, tables, monkeypatch):
     """A PeftModel's adapters (different ranks and targets, rows with none) through the fused
     forward: each row's tokens and log-probs as the transformers forward's with the LoRA
-    layers; with and without the one-launch norm + q/k/v + RoPE (LoRA on q/k/v takes the
-    unfused path either way)."""
+    layers; with the one-launch norm + q/k/v + RoPE (the q/k/v deltas in its epilogue) and
+    without it (the GEMV's epilogue, then RoPE + KV write)."""
     if not tables:  # the per-step rotary path
         from hf_paged.worker import small_batch_forward as sbf
 

@@ -11,6 +11,12 @@ elsewhere. The op's shapes depend on the token count only, and torch.compile see
 (no data-dependent gather, no graph break), so the LoRA path runs compiled. The base weights are
 never touched; peft keeps its adapters, the slots hold copies.
 
+A fused projection's slices (q/k/v, gate/up: integrations/fused_projections.py) take their deltas
+together: the FusedProjection's product hook (group_product_hook) runs one shrink over the
+group's stacked A and one expand over its whole product (group_add_), so a decoder layer makes
+4 LoRA ops instead of 7, and no op writes into a strided column slice; the slices' LoRA layers
+then return the slice as it is.
+
 Outside an engine step (a plain forward of the model) the layer runs peft's own forward.
 """
 
@@ -21,7 +27,16 @@ import types
 
 import torch
 
-from hf_paged.lora.slots import SCALE, A, B
+from hf_paged.lora.slots import (
+    GROUP_A,
+    GROUP_B,
+    GROUP_SCALE,
+    SCALE,
+    WRAPPERS,
+    A,
+    B,
+    projection_slice,
+)
 from hf_paged.worker.forward_context import get_forward_context, in_engine_step
 
 _ORIGINAL = "_hf_paged_peft_forward"
@@ -90,20 +105,48 @@ def uninstall(layers: dict[str, torch.nn.Module]) -> None:
                 layer.forward = original
 
 
+def live(layer: torch.nn.Module) -> bool:
+    """A routed LoRA layer (it holds slot buffers) whose deltas apply in engine steps."""
+    return getattr(layer, A, None) is not None and not (layer.disable_adapters or layer.merged)
+
+
+def grouped(fused: torch.nn.Module) -> bool:
+    """Whether a FusedProjection adds its slices' deltas itself: it holds group buffers and
+    every routed LoRA layer of its slices is live (a layer disabled or merged on its own, which
+    peft's own calls never do, leaves each live layer to add its delta alone)."""
+    wrappers = (fused.__dict__.get(WRAPPERS) or {}).values()
+    return bool(wrappers) and all(live(w) for w in wrappers)
+
+
+def group_product_hook(fused, y: torch.Tensor, x: torch.Tensor, index: int | None) -> None:
+    """FusedProjection's product hook: y (its whole product, index None, or slice `index`
+    alone) += the LoRA deltas of the step's tokens."""
+    if not in_engine_step() or not grouped(fused):
+        return
+    if index is None:
+        buffers = fused._buffers
+        sizes = list(fused.sizes)
+        group_add_(y, x, buffers[GROUP_A], buffers[GROUP_B], buffers[GROUP_SCALE], sizes)
+        return
+    wrapper = fused.__dict__[WRAPPERS].get(index)  # inputs not in the group's order
+    if wrapper is not None:
+        lora_add_(y, x, getattr(wrapper, A), getattr(wrapper, B), getattr(wrapper, SCALE))
+
+
 def _paged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not in_engine_step() or self.disable_adapters or self.merged:
         return self.__dict__[_ORIGINAL](x, *args, **kwargs)
+    part = projection_slice(self)
+    if part is not None and grouped(part.fused):  # the fused product has this slice's delta
+        return self.base_layer(x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
     lora_add_(result, x, getattr(self, A), getattr(self, B), getattr(self, SCALE))
     return result
 
 
-@torch.library.custom_op("hf_paged::lora_add_", mutates_args=("y",))
-def lora_add_(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor
-) -> None:
-    """y += x @ A[slot]^T @ B[slot]^T * scale[slot] for each token of the step with an adapter
-    (the forward context's LoRA batch; none: nothing to add). y [..., T, out], x [..., T, in]."""
+def _add(y, x, a, b, scale, slices: list[int] | None) -> None:
+    """The ops' body: y += the step's per-token deltas (slices: y's column slices, each with
+    its own R columns of the shrink and its own scale row)."""
     ctx = get_forward_context()
     batch = ctx.lora_groups if ctx is not None else None
     if batch is None:
@@ -114,20 +157,51 @@ def lora_add_(
         from hf_paged.kernels.lora import lora_expand, lora_shrink
 
         segments = (batch.sorted_tokens, batch.slot_start)
-        lora_expand(flat_y, lora_shrink(flat_x, a, *segments), b, scale, *segments)
+        s = lora_shrink(flat_x, a, *segments)
+        lora_expand(flat_y, s, b, scale, *segments, slices=slices)
     else:
         from hf_paged.kernels.lora import lora_expand_ref, lora_shrink_ref
 
         slots = batch.token_slots
-        flat_y.copy_(lora_expand_ref(flat_y, lora_shrink_ref(flat_x, a, slots), b, scale, slots))
+        s = lora_shrink_ref(flat_x, a, slots)
+        flat_y.copy_(lora_expand_ref(flat_y, s, b, scale, slots, slices=slices))
     # reshape copies only where y's rows cannot be viewed flat; a column slice of a fused
     # projection's output (strided rows) is viewed as it is and written in place
     if flat_y.data_ptr() != y.data_ptr():
         y.copy_(flat_y.view(y.shape))
 
 
+@torch.library.custom_op("hf_paged::lora_add_", mutates_args=("y",))
+def lora_add_(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """y += x @ A[slot]^T @ B[slot]^T * scale[slot] for each token of the step with an adapter
+    (the forward context's LoRA batch; none: nothing to add). y [..., T, out], x [..., T, in]."""
+    _add(y, x, a, b, scale, None)
+
+
 @lora_add_.register_fake
 def _(y, x, a, b, scale) -> None:
+    return None
+
+
+@torch.library.custom_op("hf_paged::lora_group_add_", mutates_args=("y",))
+def group_add_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    slices: list[int],
+) -> None:
+    """lora_add_ for a fused projection's whole product y [..., T, sum(slices)]: one shrink over
+    the group's A [S, len(slices) * R, in], one expand whose column slice i reads its own R
+    columns of the shrink and scale[i] ([len(slices), S])."""
+    _add(y, x, a, b, scale, slices)
+
+
+@group_add_.register_fake
+def _(y, x, a, b, scale, slices) -> None:
     return None
 
 

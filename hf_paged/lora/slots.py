@@ -15,6 +15,13 @@ they finish with the weights they started with. An adapter peft replaced under t
 
 The buffers are the layer's non-persistent buffers (not in state_dict): under torch.compile
 they are graph inputs like the weights, so every decoder layer still shares one compiled graph.
+
+Fused projections (integrations/fused_projections.py: q/k/v, gate/up): the group's buffers live
+on the FusedProjection, A [max_loras, slices * max_lora_rank, in] (each slice's rows in turn),
+B [max_loras, sum(out), max_lora_rank] and scale [slices, max_loras], and the LoRA layer of each
+slice holds views of its part, so copying an adapter into a slot writes the group's buffers
+once and one shrink / one expand (hf_paged/lora/layers.py::group_add_) covers every slice. A
+slice no adapter targets keeps zeros there (its columns get the base output).
 """
 
 from __future__ import annotations
@@ -24,6 +31,18 @@ from collections.abc import Callable
 import torch
 
 A, B, SCALE = "hf_paged_lora_a", "hf_paged_lora_b", "hf_paged_lora_scale"
+# a FusedProjection's group buffers, and the routed LoRA layer of each of its slices
+GROUP_A, GROUP_B = "hf_paged_lora_group_a", "hf_paged_lora_group_b"
+GROUP_SCALE = "hf_paged_lora_group_scale"
+WRAPPERS = "hf_paged_lora_wrappers"
+
+
+def projection_slice(layer: torch.nn.Module):
+    """The ProjectionSlice a LoRA layer wraps (a fused q/k/v or gate/up slice), else None."""
+    from hf_paged.integrations.fused_projections import ProjectionSlice
+
+    base = getattr(layer, "base_layer", None)
+    return base if isinstance(base, ProjectionSlice) else None
 
 
 class LoraSlots:
@@ -32,6 +51,7 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.layers: dict[str, torch.nn.Module] = {}
+        self._groups: list[torch.nn.Module] = []  # FusedProjections holding group buffers
         # adapter name -> slot, least recently used first
         self.slot_of: dict[str, int] = {}
         # adapter name -> (a layer holding it, its lora_A module there) when it was copied: a
@@ -44,23 +64,79 @@ class LoraSlots:
         for name, layer in layers.items():
             if name in self.layers:
                 continue
-            weight = layer.get_base_layer().weight
-            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-            s, r = self.max_loras, self.max_rank
-            kw = dict(dtype=dtype, device=weight.device)
-            layer.register_buffer(A, torch.zeros(s, r, layer.in_features, **kw), persistent=False)
-            layer.register_buffer(B, torch.zeros(s, layer.out_features, r, **kw), persistent=False)
-            layer.register_buffer(
-                SCALE, torch.zeros(s, dtype=torch.float32, device=weight.device), persistent=False
-            )
+            part = projection_slice(layer)
+            if part is not None:
+                views = self._group_views(part, layer)
+            else:
+                weight = layer.get_base_layer().weight
+                s, r = self.max_loras, self.max_rank
+                kw = dict(dtype=_dtype(weight), device=weight.device)
+                views = (
+                    torch.zeros(s, r, layer.in_features, **kw),
+                    torch.zeros(s, layer.out_features, r, **kw),
+                    torch.zeros(s, dtype=torch.float32, device=weight.device),
+                )
+            for key, buf in zip((A, B, SCALE), views):
+                layer.register_buffer(key, buf, persistent=False)
             self.layers[name] = layer
             for adapter, slot in self.slot_of.items():
                 self._copy(layer, adapter, slot)
+        self.regroup()
+
+    def regroup(self) -> None:
+        """Give the layers whose projection was fused after they got their own buffers (the
+        engine routes adapters before it fuses) views of their group's, contents kept: a group
+        adds the deltas of every slice it knows, and its slices' layers then add none."""
+        for layer in self.layers.values():
+            part = projection_slice(layer)
+            if part is None or (part.fused.__dict__.get(WRAPPERS) or {}).get(part.index) is layer:
+                continue
+            own = [layer._buffers[key] for key in (A, B, SCALE)]
+            with torch.no_grad():
+                for key, old, view in zip((A, B, SCALE), own, self._group_views(part, layer)):
+                    view.copy_(old)
+                    layer.register_buffer(key, view, persistent=False)
+
+    def _group_views(self, part, layer: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        """This slice's views of its FusedProjection's group buffers (made on first use)."""
+        fused = part.fused
+        if GROUP_A not in fused._buffers:
+            s, r, n = self.max_loras, self.max_rank, len(fused.sizes)
+            kw = dict(dtype=_dtype(fused.weight), device=fused.weight.device)
+            fused.register_buffer(
+                GROUP_A, torch.zeros(s, n * r, fused.weight.shape[1], **kw), persistent=False
+            )
+            fused.register_buffer(
+                GROUP_B, torch.zeros(s, sum(fused.sizes), r, **kw), persistent=False
+            )
+            fused.register_buffer(
+                GROUP_SCALE,
+                torch.zeros(n, s, dtype=torch.float32, device=fused.weight.device),
+                persistent=False,
+            )
+            fused.__dict__[WRAPPERS] = {}  # slice -> its LoRA layer (not submodules: peft's)
+            from hf_paged.lora.layers import group_product_hook  # (layers imports this module)
+
+            fused.product_hook = group_product_hook
+            self._groups.append(fused)
+        i, r = part.index, self.max_rank
+        fused.__dict__[WRAPPERS][i] = layer
+        return (
+            fused._buffers[GROUP_A][:, i * r : (i + 1) * r],
+            fused._buffers[GROUP_B][:, fused.rows(i)],
+            fused._buffers[GROUP_SCALE][i],
+        )
 
     def remove_layers(self) -> None:
         for layer in self.layers.values():
             for key in (A, B, SCALE):
                 layer._buffers.pop(key, None)
+        for fused in self._groups:
+            for key in (GROUP_A, GROUP_B, GROUP_SCALE):
+                fused._buffers.pop(key, None)
+            fused.__dict__.pop(WRAPPERS, None)
+            fused.__dict__.pop("product_hook", None)
+        self._groups = []
         self.layers = {}
         self.slot_of = {}
         self._probe = {}
@@ -134,3 +210,7 @@ class LoraSlots:
         a[slot, :rank].copy_(weight_a)
         b[slot, :, :rank].copy_(weight_b)
         scale[slot] = float(layer.scaling[name])
+
+
+def _dtype(weight: torch.Tensor) -> torch.dtype:
+    return weight.dtype if weight.dtype.is_floating_point else torch.float32

@@ -22,9 +22,13 @@ FP8 weights (quantization="fp8": Fp8Linear and fused projections holding float8_
 (half the bytes streamed), computing Fp8Linear's weight-only product.
 
 A PeftModel's LoRA layers wrap the fused slices and o/down: their per-token deltas (the step's
-adapter slots, hf_paged.lora) are added to the slices they wrap, so a layer with LoRA on q/k/v
-takes the unfused RoPE + KV write after the delta, and one with LoRA on gate/up the ungated
-GEMV, then the activation in torch.
+adapter slots, hf_paged.lora) are added inside the GEMVs' epilogues (kernels/fused_gemv.py,
+LoraEpilogue), each GEMV after one shrink launch over its group's stacked A (q/k/v together,
+gate/up together; for those the shrink takes x times the norm weight, and the GEMV, which
+computes each row's 1 / rms, multiplies it in): 4 extra launches a layer. The one-launch
+norm + q/k/v + RoPE + KV write takes the q/k/v deltas the same way. (Were a slice's
+LoRA layer disabled or merged on its own, its group's live slices add their deltas one by one
+after an ungated GEMV, as peft would.)
 
 and the final norm with the logits rows the step keeps as one more (NORM GATHER); before the
 layers, kernels/embedding.py resolves the step's token ids (some sampled on the device by the
@@ -44,6 +48,8 @@ to the attention kernels; Phi-3's own fused qkv_proj / gate_up_proj read as they
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -122,13 +128,34 @@ class SmallBatchForward:
             **kw,
         )
 
+    def _shrink(self, x, deltas: _Deltas | None, norm: nn.Module | None = None):
+        """The GEMV epilogue's LoRA input: one shrink of x (of x * the norm's weight with norm,
+        the GEMV multiplying in each row's 1 / rms) over the deltas' stacked A; None without
+        deltas."""
+        if deltas is None:
+            return None
+        from hf_paged.kernels.lora import LoraEpilogue, lora_shrink
+
+        batch = get_forward_context().lora_groups
+        kw = {}
+        if norm is not None:  # x * g: the GEMV multiplies in each row's 1 / rms
+            kw = dict(norm_weight=norm.weight, norm_plus_one=self.norm_plus_one)
+        s = lora_shrink(
+            x, deltas.a, batch.sorted_tokens, batch.slot_start, split_k=_shrink_split(x),
+            pdl=self.pdl, **kw,
+        )  # fmt: skip
+        return LoraEpilogue(
+            s, deltas.b, deltas.scale, batch.token_slots, deltas.slices, rms=norm is not None
+        )
+
     def _qkv_rope(self, layer: Layer, h, positions, cos, sin, lora, key_cache, value_cache):
         """Rotated queries [T, Hq, D]; rotated keys and values written to the cache."""
         k, ctx = self.kernels, get_forward_context()
         slots = ctx.attn_metadata.slot_mapping
-        qkv_lora = lora is not None and any(lora[n] for n in ("q_proj", "k_proj", "v_proj"))
+        group = lora.qkv if lora is not None else None
+        alone = lora.qkv_alone if lora is not None else None
         norm = layer.in_norm
-        if self.cos_table is not None and not qkv_lora:  # norm + q/k/v + RoPE + KV write
+        if self.cos_table is not None and not alone:  # norm + q/k/v (+ deltas) + RoPE + KV write
             return k.norm_qkv_rope(
                 h,
                 layer.qkv.weight,
@@ -144,19 +171,20 @@ class SmallBatchForward:
                 self.num_q_heads,
                 weight_scale=_scales(layer.qkv),
                 pdl=self.pdl,
+                lora=self._shrink(h, group, norm),
             )
-        normed = torch.empty_like(h) if qkv_lora else None  # the deltas' input, from the GEMV
-        qkv = self._norm_gemv(
+        normed = torch.empty_like(h) if alone else None  # the deltas' input, from the GEMV
+        qkv = self._norm_gemv(  # the deltas before the head norms, RoPE and the KV write
             h,
             layer.qkv.weight,
             norm,
             bias=layer.qkv.bias,
             weight_scale=_scales(layer.qkv),
             norm_out=normed,
+            lora=self._shrink(h, group, norm),
         )
-        if qkv_lora:  # the deltas before the head norms, RoPE and the KV write
-            names = ("q_proj", "k_proj", "v_proj")
-            _add_deltas(qkv, normed, [lora[n] for n in names], layer.qkv.sizes)
+        if alone:
+            _add_deltas(qkv, normed, alone, layer.qkv.sizes)
         if cos is None:
             cos, sin = self._cos_sin(h, positions)
         head_norms = {}
@@ -184,8 +212,9 @@ class SmallBatchForward:
             cos, sin = self._cos_sin(h, positions)
         t = h.shape[0]
         decode = meta.max_query_len == 1 and t == meta.num_seqs
+        on = self.lora and ctx.lora_groups is not None  # else no token of the step has one
         for layer in self.layers:
-            lora = _lora_wrappers(layer) if self.lora else None
+            lora = _layer_lora(layer) if on else None
             key_cache, value_cache = ctx.kv_caches[layer.index]
             q = self._qkv_rope(layer, h, positions, cos, sin, lora, key_cache, value_cache)
             args = (key_cache, value_cache, meta, layer.scale, layer.window, layer.softcap)
@@ -193,11 +222,11 @@ class SmallBatchForward:
                 attn = k.decode_attention(q, *args, pdl=pdl)
             else:
                 attn = ctx.backend.paged_attention(q, *args, pdl=pdl)
-            wrapper = lora["o_proj"] if lora is not None else None
-            h = self._residual_gemv(attn.view(t, -1), layer.o, h, layer.attn_out_norm, wrapper)
+            deltas = lora.o if lora is not None else None
+            h = self._residual_gemv(attn.view(t, -1), layer.o, h, layer.attn_out_norm, deltas)
             norm, gate_up, rows = layer.mlp_norm, layer.gate_up.weight, layer.gate_rows
             scale = _scales(layer.gate_up)
-            if lora is None or not (lora["gate_proj"] or lora["up_proj"]):
+            if lora is None or lora.gate_up_alone is None:  # the deltas in the epilogue
                 act = self._norm_gemv(
                     h,
                     gate_up[:rows],
@@ -206,36 +235,34 @@ class SmallBatchForward:
                     activation=self.activation,
                     weight_scale=None if scale is None else scale[:rows],
                     up_scale=None if scale is None else scale[rows:],
+                    lora=self._shrink(h, lora.gate_up if lora is not None else None, norm),
                 )
             else:  # the deltas before the activation: the ungated GEMV, then act(gate) * up
                 normed = torch.empty_like(h)
                 gu = self._norm_gemv(h, gate_up, norm, weight_scale=scale, norm_out=normed)
-                wrappers = [lora["gate_proj"], lora["up_proj"]]
-                _add_deltas(gu, normed, wrappers, layer.gate_up.sizes)
+                _add_deltas(gu, normed, lora.gate_up_alone, layer.gate_up.sizes)
                 act = layer.mlp.act_fn(gu[:, :rows]) * gu[:, rows:]
-            wrapper = lora["down_proj"] if lora is not None else None
-            h = self._residual_gemv(act, layer.down, h, layer.mlp_out_norm, wrapper)
+            deltas = lora.down if lora is not None else None
+            h = self._residual_gemv(act, layer.down, h, layer.mlp_out_norm, deltas)
         logits = self._norm_gemv(h, self.lm_head.weight, self.base.norm, rows=keep)
         if self.final_softcap:  # as Gemma2ForCausalLM: divide, tanh, multiply
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def _residual_gemv(self, x, linear: nn.Linear, residual, out_norm, wrapper):
+    def _residual_gemv(self, x, linear: nn.Linear, residual, out_norm, deltas):
         """residual + x @ W.T (+ b), or with out_norm (Gemma 2's sandwich norms) residual +
-        out_norm(x @ W.T); wrapper: the LoRA layer around the linear, its delta added to the
-        product (before out_norm)."""
+        out_norm(x @ W.T); deltas: the LoRA layer's around the linear, added to the product
+        (before out_norm) in the GEMV's epilogue."""
         k, scale = self.kernels, _scales(linear)
+        lora = self._shrink(x, deltas)
         if out_norm is None:
-            h = k.fused_gemv(
+            return k.fused_gemv(
                 x, linear.weight, bias=linear.bias, residual=residual, weight_scale=scale,
-                pdl=self.pdl,
+                pdl=self.pdl, lora=lora,
             )  # fmt: skip
-            if wrapper is not None:
-                _add_deltas(h, x, [wrapper])
-            return h
-        y = k.fused_gemv(x, linear.weight, bias=linear.bias, weight_scale=scale, pdl=self.pdl)
-        if wrapper is not None:
-            _add_deltas(y, x, [wrapper])
+        y = k.fused_gemv(
+            x, linear.weight, bias=linear.bias, weight_scale=scale, pdl=self.pdl, lora=lora
+        )
         return k.residual_rms_norm(
             y, residual, out_norm.weight, norm_eps(out_norm), self.norm_plus_one, pdl=self.pdl
         )
@@ -247,27 +274,62 @@ def _scales(module: nn.Module) -> torch.Tensor | None:
     return module._buffers.get("weight_scale")
 
 
-def _lora_wrappers(layer: Layer) -> dict | None:
-    """The layer's peft LoRA layers whose deltas apply in engine steps (routed: they hold the
-    slot buffers), by projection name; None when there are none. Looked up per call: peft may
-    wrap a projection for an adapter loaded while the engine runs."""
-    from hf_paged.lora.slots import A
+@dataclass(slots=True)
+class _Deltas:
+    """A projection's LoRA for a GEMV epilogue: its stacked slot buffers (a fused group's
+    covering every slice), as kernels/lora.py takes them."""
 
-    found, any_ = {}, False
-    for holder, names in (
-        (layer.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-        (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
-    ):
-        for name in names:
-            m = getattr(holder, name)
-            live = (
-                hasattr(m, "lora_A")
-                and getattr(m, A, None) is not None
-                and not (m.disable_adapters or m.merged)
-            )
-            found[name] = m if live else None
-            any_ |= live
-    return found if any_ else None
+    a: torch.Tensor  # [max_loras, slices * max_lora_rank, in]
+    b: torch.Tensor  # [max_loras, out, max_lora_rank]
+    scale: torch.Tensor  # f32 [slices, max_loras]
+    slices: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _LayerLora:
+    qkv: _Deltas | None
+    o: _Deltas | None
+    gate_up: _Deltas | None
+    down: _Deltas | None
+    # a group whose LoRA layers are not all live: the live ones' layers, added one by one
+    qkv_alone: list | None = None
+    gate_up_alone: list | None = None
+
+
+def _layer_lora(layer: Layer) -> _LayerLora | None:
+    """The layer's LoRA deltas that apply in engine steps (routed LoRA layers: they hold the
+    slot buffers), None when there are none. Looked up per call: peft may wrap a projection
+    for an adapter loaded while the engine runs."""
+    from hf_paged.lora.layers import grouped, live
+    from hf_paged.lora.slots import GROUP_A, GROUP_B, GROUP_SCALE, SCALE, A, B
+
+    def group(fused, holder, names):
+        wrappers = [getattr(holder, n) for n in names]
+        wrappers = [w if hasattr(w, "lora_A") and live(w) else None for w in wrappers]
+        if grouped(fused):
+            buf = fused._buffers
+            return _Deltas(buf[GROUP_A], buf[GROUP_B], buf[GROUP_SCALE], tuple(fused.sizes)), None
+        return None, (wrappers if any(w is not None for w in wrappers) else None)
+
+    def single(m):
+        if not (hasattr(m, "lora_A") and live(m)):
+            return None
+        return _Deltas(getattr(m, A), getattr(m, B), getattr(m, SCALE)[None], (m.out_features,))
+
+    qkv, qkv_alone = group(layer.qkv, layer.attn, ("q_proj", "k_proj", "v_proj"))
+    gate_up, gate_up_alone = group(layer.gate_up, layer.mlp, ("gate_proj", "up_proj"))
+    parts = (qkv, single(layer.attn.o_proj), gate_up, single(layer.mlp.down_proj))
+    if all(p is None for p in parts) and qkv_alone is None and gate_up_alone is None:
+        return None
+    return _LayerLora(*parts, qkv_alone, gate_up_alone)
+
+
+def _shrink_split(x: torch.Tensor) -> int:
+    """The shrink's programs along in_features for a small step: each reads 128 columns of
+    its slot's A (two BLOCK_K steps: the shrink is on the layer's critical path, between two
+    GEMVs), and every GEMV program sums the partial products of its rows, so at most 16
+    (16 x rank floats a row and slice, read from L2). Not tuned on a GPU yet."""
+    return max(1, min(16, x.shape[1] // 128))
 
 
 def _add_deltas(y: torch.Tensor, x: torch.Tensor, wrappers: list, sizes=None) -> None:

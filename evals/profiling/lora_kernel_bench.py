@@ -1,0 +1,169 @@
+"""Multi-LoRA kernels of one decoder layer on a GPU, against the same layer without adapters.
+
+    python evals/profiling/lora_kernel_bench.py [--shape tinyllama-1.1b|llama-3-8b] [--rank 16]
+        [--slots 8]
+
+Random bf16 weights and adapters (rank --rank on all seven projections, --slots slots, rows
+spread over the slots and the base model), timed as CUDA-graph replays with L2 flushed
+(bench_setup.bench_graph), medians in microseconds:
+
+- small batch (1-8 rows, hf_paged/worker/small_batch_forward.py's kernels, PDL where the GPU has
+  it): the layer's four fused GEMVs (norm + q/k/v, o + residual, norm + gate/up + SiLU-mul,
+  down + residual) without adapters, then with them: one shrink per group and the deltas in the
+  GEMVs' epilogues (kernels/lora.py::LoraEpilogue). Attention and RoPE are left out (the same
+  with and without adapters). The bound: the layer's weight bytes at the H200's bandwidth.
+- many tokens (the transformers forward's path): the layer's four GEMMs (cuBLAS), then the LoRA
+  ops on top, grouped (q/k/v and gate/up one shrink + one expand each: 4 ops) and per slice (7
+  shrink + expand pairs on the slices' views, as before grouping).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from bench_setup import PEAK_BW, bench_graph
+
+# hidden, (q, k, v) widths, intermediate
+DIMS = {
+    "tinyllama-1.1b": (2048, (2048, 256, 256), 5632),
+    "llama-3-8b": (4096, (4096, 1024, 1024), 14336),
+}
+
+
+def _slots(t: int, slots: int) -> torch.Tensor:
+    """Row i on slot i % (slots + 1), the last of each cycle on the base model (-1)."""
+    s = torch.arange(t, device="cuda") % (slots + 1)
+    return torch.where(s == slots, -1, s).to(torch.int32)
+
+
+class Layer:
+    def __init__(self, hidden, qkv, inter, rank, slots):
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+
+        self.hidden, self.qkv, self.inter, self.slots, self.rank = hidden, qkv, inter, slots, rank
+        self.w_qkv = rnd(sum(qkv), hidden, scale=hidden**-0.5)
+        self.w_o = rnd(hidden, hidden, scale=hidden**-0.5)
+        self.w_gu = rnd(2 * inter, hidden, scale=hidden**-0.5)
+        self.w_down = rnd(hidden, inter, scale=inter**-0.5)
+        self.norm = torch.ones(hidden, device="cuda").bfloat16()
+        # group buffers as hf_paged/lora/slots.py lays them out
+        self.groups = {}
+        for name, k, widths in (
+            ("qkv", hidden, qkv),
+            ("o", hidden, (hidden,)),
+            ("gate_up", hidden, (inter, inter)),
+            ("down", inter, (hidden,)),
+        ):
+            a = rnd(slots, len(widths) * rank, k, scale=k**-0.5)
+            b = rnd(slots, sum(widths), rank, scale=0.01)
+            scale = torch.full((len(widths), slots), 2.0, device="cuda")
+            self.groups[name] = (a, b, scale, widths)
+
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
+
+    def small_batch(self, rows: int, lora: bool, pdl: bool):
+        from hf_paged.kernels import fused_gemv, lora_segments
+        from hf_paged.kernels.lora import LoraEpilogue, lora_shrink
+
+        h = torch.randn(rows, self.hidden, device="cuda").bfloat16()
+        attn = torch.randn(rows, self.hidden, device="cuda").bfloat16()
+        slots = _slots(rows, self.slots)
+        inter = self.inter
+
+        def epilogue(x, name, normed):
+            if not lora:
+                return None
+            a, b, scale, widths = self.groups[name]
+            seg = lora_segments(slots, self.slots)
+            kw = dict(norm_weight=self.norm) if normed else {}
+            from hf_paged.worker.small_batch_forward import _shrink_split
+
+            s = lora_shrink(x, a, *seg, split_k=_shrink_split(x), pdl=pdl, **kw)
+            return LoraEpilogue(s, b, scale, slots, widths, rms=normed)
+
+        def layer():
+            norm = dict(norm_weight=self.norm, eps=1e-5, pdl=pdl)
+            fused_gemv(h, self.w_qkv, lora=epilogue(h, "qkv", True), **norm)
+            h2 = fused_gemv(attn, self.w_o, residual=h, pdl=pdl, lora=epilogue(attn, "o", False))
+            act = fused_gemv(
+                h2, self.w_gu[:inter], up_weight=self.w_gu[inter:],
+                lora=epilogue(h2, "gate_up", True), **norm,
+            )  # fmt: skip
+            fused_gemv(act, self.w_down, residual=h2, pdl=pdl, lora=epilogue(act, "down", False))
+
+        return layer
+
+    def many_tokens(self, t: int, mode: str):
+        from hf_paged.kernels import lora_expand, lora_segments, lora_shrink
+
+        x = torch.randn(t, self.hidden, device="cuda").bfloat16()
+        xi = torch.randn(t, self.inter, device="cuda").bfloat16()
+        slots = _slots(t, self.slots)
+        r = self.rank
+
+        def lora(y, x_in, name):
+            a, b, scale, widths = self.groups[name]
+            seg = lora_segments(slots, self.slots)
+            if mode == "grouped":
+                lora_expand(y, lora_shrink(x_in, a, *seg), b, scale, *seg, slices=widths)
+                return
+            start = 0
+            for i, w in enumerate(widths):  # each slice on its own, through the views
+                part, view_a = y[:, start : start + w], a[:, i * r : (i + 1) * r]
+                lora_expand(part, lora_shrink(x_in, view_a, *seg), b[:, start : start + w],
+                            scale[i], *seg)  # fmt: skip
+                start += w
+
+        def layer():
+            qkv = F.linear(x, self.w_qkv)
+            o = F.linear(x, self.w_o)
+            gu = F.linear(x, self.w_gu)
+            down = F.linear(xi, self.w_down)
+            if mode != "base":
+                lora(qkv, x, "qkv")
+                lora(o, x, "o")
+                lora(gu, x, "gate_up")
+                lora(down, xi, "down")
+
+        return layer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="tinyllama-1.1b", choices=list(DIMS))
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=8)
+    args = parser.parse_args()
+    from hf_paged.kernels.fused_gemv import pdl_available
+
+    hidden, qkv, inter = DIMS[args.shape]
+    layer = Layer(hidden, qkv, inter, args.rank, args.slots)
+    pdl = pdl_available(torch.device("cuda"))
+    bound = layer.weight_bytes() / PEAK_BW * 1e6
+    print(f"## {args.shape}, rank {args.rank}, {args.slots} slots, one decoder layer\n")
+    print(f"small batch (PDL {'on' if pdl else 'off'}); weight-read bound {bound:.1f} us\n")
+    print("| rows | base us | LoRA us | base / LoRA |")
+    print("| --- | --- | --- | --- |")
+    for rows in (1, 2, 4, 8):
+        base = bench_graph(layer.small_batch(rows, False, pdl)) * 1e3
+        with_lora = bench_graph(layer.small_batch(rows, True, pdl)) * 1e3
+        print(f"| {rows} | {base:.1f} | {with_lora:.1f} | {base / with_lora:.1%} |", flush=True)
+    print("\nmany tokens (cuBLAS GEMMs + LoRA ops)\n")
+    print("| tokens | base us | grouped us | per slice us | base / grouped | base / per slice |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for t in (16, 64, 256, 512):
+        times = {
+            m: bench_graph(layer.many_tokens(t, m)) * 1e3 for m in ("base", "grouped", "slices")
+        }
+        b, gr, sl = times["base"], times["grouped"], times["slices"]
+        print(f"| {t} | {b:.1f} | {gr:.1f} | {sl:.1f} | {b / gr:.1%} | {b / sl:.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
