@@ -13,7 +13,7 @@ kernels another ~20 us. This kernel does one GEMV with, optionally:
   SiLU or GELU with the tanh approximation (GELU_TANH: Gemma 2's gelu_pytorch_tanh);
 - HAS_BIAS, RESIDUAL (y + residual, each rounded to the model dtype as torch would);
 - GATHER: x's rows picked by an index tensor (the logits rows a step keeps);
-- LORA: each row's LoRA delta (kernels/lora.py::LoraEpilogue: the shrink's output and the
+- LORA: each row's LoRA delta (kernels/lora_epilogue.py::LoraEpilogue: the shrink's output and the
   stacked B read here) added to the product where peft adds it: after the bias, before the
   activation (gate and up each get theirs) and the residual. Its own B rows are all a program
   reads beyond the weights, so a projection's adapters cost one shrink launch and no expand;
@@ -34,16 +34,13 @@ against).
 
 from __future__ import annotations
 
-import itertools
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fp8_gemv import dequantize_weight
+from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F401 (re-exported)
 from .kv_write import check_launchable, interpreting
-from .lora import MAX_SLICES, LoraEpilogue, lora_epilogue_ref
+from .lora_epilogue import LoraEpilogue, lora_delta, lora_launch_args
 
 try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -62,63 +59,6 @@ def pdl_available(device: torch.device) -> bool:
         and not interpreting()
         and torch.cuda.get_device_capability(device)[0] >= 9
     )
-
-
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False
-) -> torch.Tensor:
-    """transformers' LlamaRMSNorm / Qwen2RMSNorm, or with plus_one Gemma2RMSNorm."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:
-        return (h * (1.0 + weight.float())).to(x.dtype)
-    return weight * h.to(x.dtype)
-
-
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}
-
-
-def fused_gemv_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    up_weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    up_scale: torch.Tensor | None = None,
-    norm_plus_one: bool = False,
-    activation: str = "silu",
-    lora: LoraEpilogue | None = None,
-) -> torch.Tensor:
-    """What the kernel computes, as the transformers modules it replaces compute it (FP8
-    weights with their block scales: as Fp8Linear's weight-only product; LoRA deltas as peft
-    adds them to the base product)."""
-    if weight_scale is not None:
-        weight = dequantize_weight(weight, weight_scale).to(x.dtype)
-    if up_scale is not None:
-        up_weight = dequantize_weight(up_weight, up_scale).to(x.dtype)
-    if rows is not None:
-        x = x[rows]
-    inv_rms = None
-    if norm_weight is not None:
-        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + eps)
-        x = rms_norm_ref(x, norm_weight, eps, norm_plus_one)
-    y = F.linear(x, weight, bias)
-    n = y.shape[-1]
-    if lora is not None:
-        y = lora_epilogue_ref(lora, y, slice(0, n), inv_rms)
-    if up_weight is not None:
-        up = F.linear(x, up_weight)
-        if lora is not None:
-            up = lora_epilogue_ref(lora, up, slice(n, 2 * n), inv_rms)
-        y = _ACTIVATIONS[activation](y) * up
-    if residual is not None:
-        y = residual + y
-    return y
 
 
 @triton.jit
@@ -284,16 +224,16 @@ def _fused_gemv_kernel(
                 adapted = slot >= 0
                 slot = tl.maximum(slot, 0)  # rows of no adapter: computed, then not used
                 if GATED:  # gate rows: slice 0, up rows: slice 1
-                    d = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
+                    d = lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
                                     stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
                                     n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0, 1,
                                     LORA_BLOCK_R)  # fmt: skip
-                    d2 = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb2_ptr,
+                    d2 = lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb2_ptr,
                                      stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
                                      n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 1, 1,
                                      LORA_BLOCK_R)  # fmt: skip
                 else:
-                    d = _lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
+                    d = lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
                                     stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
                                     n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0,
                                     LORA_SLICES, LORA_BLOCK_R)  # fmt: skip
@@ -317,42 +257,6 @@ def _fused_gemv_kernel(
             if RESIDUAL:
                 y = res.to(tl.float32) + y.to(dt).to(tl.float32)
             tl.store(y_ptr + m * stride_ym + offs_n, y.to(dt), mask=n_mask)
-
-
-@triton.jit
-def _lora_delta(s_ptr, m: tl.constexpr, SPLIT, stride_ss, stride_sm, b_ptr, stride_bs, stride_bn,
-                sc_ptr, stride_sc, slot, offs_n, n_mask, E0, E1, R, row_scale,
-                FIRST: tl.constexpr, SLICES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    # row m's delta over the program's columns [BLOCK_N] (float32): B[slot]'s rows of them
-    # times the shrink's R columns of each column's slice (slices FIRST.. FIRST + SLICES - 1;
-    # a tile may straddle q/k/v, so each slice's product is kept where its columns are)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
-        + offs_r[None, :],
-        mask=n_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )  # fmt: skip
-    dt = b_ptr.dtype.element_ty
-    b = b.to(tl.float32)
-    part = (offs_n >= E0).to(tl.int32) + (offs_n >= E1).to(tl.int32)
-    delta = tl.zeros([offs_n.shape[0]], dtype=tl.float32)
-    for i in tl.static_range(SLICES):
-        h = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k in range(SPLIT):
-            h += tl.load(
-                s_ptr + k * stride_ss + m * stride_sm + (FIRST + i) * R + offs_r,
-                mask=r_mask,
-                other=0.0,
-            )
-        h = (h * row_scale).to(dt).to(tl.float32)  # peft rounds lora_A's output so
-        d = tl.sum(b * h[None, :], axis=1) * tl.load(sc_ptr + (FIRST + i) * stride_sc + slot)
-        if SLICES == 1:
-            delta = d
-        else:
-            delta = tl.where(part == i, d, delta)
-    return delta
 
 
 @triton.jit
@@ -444,38 +348,6 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype) 
         raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
 
 
-def _lora_args(lora: LoraEpilogue | None, m: int, n: int, gated: bool, gather: bool, device):
-    """The kernel's LoRA arguments (checked), or those of no LoRA."""
-    if lora is None:
-        return dict(pointers=None, scalars=(1, 0, 0, 0, 0, 0, 0, 0, 1), slices=0, block_r=1)
-    slices = tuple(int(w) for w in lora.slices)
-    num_slots, rows, r = lora.b.shape
-    want = (n, n) if gated else None
-    if gather or not 1 <= len(slices) <= MAX_SLICES or sum(slices) != rows:
-        raise ValueError(f"lora: slices {slices} must cover B's {rows} rows (and no rows gather)")
-    if (want is not None and slices != want) or (not gated and rows != n):
-        raise ValueError(f"lora: B's rows {rows} (slices {slices}) do not fit the {n} outputs")
-    s, scale, slots = lora.s, lora.scale, lora.slots
-    if s.dim() != 3 or s.shape[1:] != (m, len(slices) * r) or s.dtype != torch.float32:
-        raise ValueError(f"lora: s must be float32 [split, {m}, {len(slices) * r}], got {s.shape}")
-    if scale.shape != (len(slices), num_slots) or scale.dtype != torch.float32:
-        raise ValueError(f"lora: scale must be float32 [{len(slices)}, {num_slots}]")
-    if slots.shape != (m,) or slots.dtype != torch.int32:
-        raise ValueError(f"lora: slots must be int32 [{m}], got {slots.dtype} {list(slots.shape)}")
-    for name, t in (("s", s), ("b", lora.b), ("scale", scale), ("slots", slots)):
-        if t.stride(-1) != 1 or t.device != device:
-            raise ValueError(f"lora: {name} must be on {device}, contiguous in its last dimension")
-    ends = list(itertools.accumulate(slices))
-    b2 = lora.b[:, n:] if gated else lora.b
-    return dict(
-        pointers=(s, lora.b, b2, scale, slots),
-        scalars=(s.shape[0], s.stride(0), s.stride(1), lora.b.stride(0), lora.b.stride(1),
-                 scale.stride(0), ends[0], ends[1] if len(ends) > 2 else rows, r),
-        slices=len(slices),
-        block_r=max(2, triton.next_power_of_2(r)),
-    )  # fmt: skip
-
-
 def fused_gemv(
     x: torch.Tensor,  # [R, K]
     weight: torch.Tensor,  # [N, K]
@@ -521,8 +393,8 @@ def fused_gemv(
     if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
         raise ValueError(f"rows must be a 1-d int64 tensor, got {rows.dtype} {list(rows.shape)}")
     m = x.shape[0] if rows is None else rows.shape[0]
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if m > MAX_ROWS:
         raise ValueError(f"fused_gemv takes at most {MAX_ROWS} rows, got {m}")
     _check("weight", weight, (n, k), w_dtype)
@@ -539,7 +411,7 @@ def fused_gemv(
     if lora is not None and lora.rms and norm_weight is None:
         raise ValueError("lora.rms (a shrink of x * norm_weight) needs norm_weight")
     gated = up_weight is not None
-    lora_args = _lora_args(lora, m, n, gated, rows is not None, x.device)
+    lora_args = lora_launch_args(lora, m, n, gated, rows is not None, x.device)
     y = torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0 or n == 0:
         return y

@@ -29,20 +29,19 @@ its GEMVs instead (kernels/fused_gemv.py, LoraEpilogue): one shrink launch per g
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .kv_write import check_launchable
+from .lora_epilogue import MAX_SLICES, LoraEpilogue, lora_epilogue_ref  # noqa: F401 (re-exported)
 
 try:  # Triton >= 3.3: programmatic dependent launch (see kernels/fused_gemv.py)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton: pdl stays off
     gdc_launch_dependents = gdc_wait = None
 
-MAX_SLICES = 3  # q/k/v
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -379,50 +378,6 @@ def lora_expand(
         # a 64 x 128 float32 tile with y's and B's beside it: twice the registers of 4 warps
         num_warps=8 if block_m * block_n >= 8192 else 4,
     )  # fmt: skip
-
-
-@dataclass(slots=True)
-class LoraEpilogue:
-    """Per-row LoRA deltas for kernels/fused_gemv.py to add to its product where peft adds
-    them (after the bias, before the activation and the residual): row m gets
-    (s[m] @ B[slot_m]^T) * scale[slot_m], slice by slice as lora_expand computes them; rows of
-    slot -1 are left bit-exact. Reading B inside the GEMV costs no expand launch, and B (R
-    columns a weight row) is a small fraction of the weight rows the GEMV streams anyway."""
-
-    s: torch.Tensor  # f32 [SPLIT_K, M, slices * R] lora_shrink's partial sums of the rows
-    b: torch.Tensor  # [S, N, R] the group's B; a gated GEMV: the gate rows, then the up rows
-    scale: torch.Tensor  # f32 [slices, S]
-    slots: torch.Tensor  # int32 [M] each row's slot, -1: none
-    slices: tuple[int, ...]  # widths over b's rows (gated: exactly (gate rows, up rows))
-    # s is of x * norm_weight (lora_shrink's norm_weight): the NORM GEMV multiplies each row's
-    # by its 1 / rms
-    rms: bool = False
-
-
-def lora_epilogue_ref(
-    e: LoraEpilogue,
-    y: torch.Tensor,
-    columns: slice = slice(None),
-    inv_rms: torch.Tensor | None = None,
-):
-    """y [M, n] (the product's columns `columns` of the group's, rounded) plus each row's delta,
-    rounded once (what fused_gemv's epilogue computes); inv_rms [M]: each row's 1 / rms
-    (e.rms)."""
-    s = e.s.sum(0) if e.s.dim() == 3 else e.s
-    if e.rms:
-        s = s * inv_rms[:, None]
-    r = e.b.shape[-1]
-    delta = torch.zeros(y.shape[0], e.b.shape[1], dtype=torch.float32, device=y.device)
-    start = 0
-    for i, width in enumerate(e.slices):
-        for m, slot in enumerate(e.slots.tolist()):
-            if slot >= 0:
-                h = s[m, i * r : (i + 1) * r].to(e.b.dtype).float()
-                b = e.b[slot, start : start + width].float()
-                delta[m, start : start + width] = (h @ b.T) * e.scale[i, slot]
-        start += width
-    out = (y.float() + delta[:, columns]).to(y.dtype)
-    return torch.where((e.slots >= 0)[:, None], out, y)
 
 
 def _slot_tokens(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:

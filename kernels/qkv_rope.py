@@ -10,9 +10,9 @@ cos/sin come from tables over positions, [max_positions, D/2] (the rotate-half c
 tables repeat after D/2 columns: `SmallBatchForward` checks that before using this kernel), read
 at each row's position. Rounding follows transformers op by op, as fused_gemv and rope_write_kv do.
 
-LoRA on q/k/v (lora: kernels/lora.py::LoraEpilogue of the group's shrink of x * norm weight):
-each row's delta is added to the projection before RoPE and the cache write, as fused_gemv's
-epilogue adds it, so adapters keep this one launch (after their shrink).
+LoRA on q/k/v (lora: kernels/lora_epilogue.py::LoraEpilogue of the group's shrink of x * norm
+weight): each row's delta is added to the projection before RoPE and the cache write, as
+fused_gemv's epilogue adds it, so adapters keep this one launch (after their shrink).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from .fused_gemv import (
     _ELEMS_PER_THREAD,
     _MAX_WARPS,
     MAX_ROWS,
-    _lora_args,
-    _lora_delta,
     _row_mask,
     apply_block_scales,
     fused_gemv_ref,
@@ -35,7 +33,7 @@ from .fused_gemv import (
     load_weights,
 )
 from .kv_write import check_kv_cache_pair, check_launchable
-from .lora import LoraEpilogue
+from .lora_epilogue import LoraEpilogue, lora_delta, lora_launch_args
 from .rope_kv import rope_write_kv_ref, rotate_halves
 
 
@@ -171,7 +169,7 @@ def _norm_qkv_rope_kernel(
                 adapted = lslot >= 0
                 lslot = tl.maximum(lslot, 0)
                 every = rows1 >= 0
-                d1 = _lora_delta(
+                d1 = lora_delta(
                     ls_ptr,
                     m,
                     LORA_SPLIT,
@@ -193,7 +191,7 @@ def _norm_qkv_rope_kernel(
                     3,
                     LORA_BLOCK_R,
                 )
-                d2 = _lora_delta(
+                d2 = lora_delta(
                     ls_ptr,
                     m,
                     LORA_SPLIT,
@@ -316,7 +314,7 @@ def norm_qkv_rope(
             f"lora: slices must be q/k/v's {widths} and s of x * norm_weight (rms), got "
             f"{tuple(lora.slices)} rms={lora.rms}"
         )
-    lora_args = _lora_args(lora, t, n, False, False, x.device)
+    lora_args = lora_launch_args(lora, t, n, False, False, x.device)
     q = torch.empty((t, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     if t == 0:
         return q

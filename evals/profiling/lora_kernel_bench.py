@@ -10,8 +10,8 @@ spread over the slots and the base model), timed as CUDA-graph replays with L2 f
 - small batch (1-8 rows, hf_paged/worker/small_batch_forward.py's kernels, PDL where the GPU has
   it): the layer's four fused GEMVs (norm + q/k/v, o + residual, norm + gate/up + SiLU-mul,
   down + residual) without adapters, then with them: one shrink per group and the deltas in the
-  GEMVs' epilogues (kernels/lora.py::LoraEpilogue). Attention and RoPE are left out (the same
-  with and without adapters). The bound: the layer's weight bytes at the H200's bandwidth.
+  GEMVs' epilogues (kernels/lora_epilogue.py::LoraEpilogue). Attention and RoPE are left out
+  (the same with and without adapters). The bound: the layer's weight bytes at the H200's bandwidth.
 - many tokens (the transformers forward's path): the layer's four GEMMs (cuBLAS), then the LoRA
   ops on top, grouped (q/k/v and gate/up one shrink + one expand each: 4 ops) and per slice (7
   shrink + expand pairs on the slices' views, as before grouping).

@@ -151,8 +151,7 @@ class Engine:
                 self._streams.unregister(ids, stream)
                 raise
 
-    def _admit(self, groups: list[list[Request]]) -> None:
-        """Each group (a request and its n - 1 siblings) joins the scheduler."""
+    def _admit(self, groups: list[list[Request]]) -> None:  # a group: a request, its siblings
         for parent, *siblings in groups:
             if not parent.status.finished:  # else its stream closed before it was admitted
                 self.scheduler.add_request(parent, siblings=siblings)
