@@ -42,6 +42,9 @@ def test_each_phase_lands_in_its_key_and_the_phases_add_up_to_the_total(
     ):
         monkeypatch.setattr(module, name, _slowed(getattr(module, name), delays[phase]))
     model = tiny_model("llama")
+    # modules imported on first use (Triton's, ~0.3 s) land in "other": the first Engine of this
+    # test process pays them, which depends on the order tests run in, so one runs untimed first
+    Engine(tiny_model("llama"), verify_model=False).shutdown()
     t0 = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="hf_paged"):
         engine = Engine(model)
