@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from hf_paged.core.request import RequestOutput
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.stream import RequestStream
-from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S, EngineDead, QueueFull
+from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S, EngineDead, QueueFull, StreamHandle
 from hf_paged.lora.layers import adapter_names
 from hf_paged.sampling_params import SamplingParams
 
@@ -69,23 +69,12 @@ class _SwitchInterval:
 _switch_interval = _SwitchInterval()
 
 
-class RequestHandle:
+class RequestHandle(StreamHandle):
     """One HTTP request's engine requests: their outputs, in arrival order, batch by batch."""
 
     def __init__(self, front: AsyncEngine, stream: RequestStream, model_name: str | None) -> None:
-        self.front = front
+        super().__init__(front, list(stream.request_ids), model_name)
         self.stream = stream
-        self.model_name = model_name  # the served model the client asked for (metrics' label)
-        self.request_ids = list(stream.request_ids)  # choice order: prompt by prompt, n each
-        self.index = {rid: i for i, rid in enumerate(self.request_ids)}
-        self._unfinished = set(self.request_ids)
-        self._event = asyncio.Event()
-        self.closed = False
-        self.error: BaseException | None = None
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
 
     async def admitted(self) -> None:
         """Engine.stream validated the requests in submit(): nothing to wait for."""
@@ -93,29 +82,8 @@ class RequestHandle:
     def _wake(self) -> None:  # on the event loop, after a step delivered to our stream
         self._event.set()
 
-    def _take(self) -> list[RequestOutput]:
-        """The outputs delivered so far; a finished one goes to the front's hooks (metrics)."""
-        outs = self.stream.poll()
-        for out in outs:
-            if out.finished:
-                self._unfinished.discard(out.request_id)
-                self.front._finished(out, self.model_name)
-        return outs
-
-    async def next_outputs(self) -> list[RequestOutput]:
-        """Wait for outputs, then return every one delivered so far ([] once all finished)."""
-        while True:
-            outs = self._take()
-            if outs:
-                if self.finished:
-                    self.front._release(self)
-                return outs
-            if self.finished:
-                return []
-            if self.error is not None:
-                raise EngineDead(str(self.error)) from self.error
-            self._event.clear()
-            await self._event.wait()
+    def _poll(self) -> list[RequestOutput]:
+        return self.stream.poll()
 
     def end_early(self, request_id: str) -> None:
         """This choice is done though the engine still runs it (a stop string the output side

@@ -49,7 +49,7 @@ from hf_paged.entrypoints.core_messages import (
     EngineSpec,
 )
 from hf_paged.entrypoints.engine_core_proc import run_engine_core
-from hf_paged.entrypoints.fronts import EngineDead, QueueFull
+from hf_paged.entrypoints.fronts import EngineDead, QueueFull, StreamHandle
 from hf_paged.request_ids import sibling_request_id
 
 MAX_MESSAGES_PER_READ = 16
@@ -59,7 +59,7 @@ class EngineStartError(RuntimeError):
     """The engine process could not start (its traceback is in the message)."""
 
 
-class CoreRequestHandle:
+class CoreRequestHandle(StreamHandle):
     """One HTTP request's engine requests (the interface of async_engine.RequestHandle)."""
 
     def __init__(
@@ -70,23 +70,12 @@ class CoreRequestHandle:
         prompts: dict[str, list[int]],
         model_name: str | None,
     ) -> None:
-        self.front = front
+        super().__init__(front, request_ids, model_name)
         self.handle_id = handle_id
-        self.model_name = model_name
-        self.request_ids = request_ids  # choice order: prompt by prompt, n each
-        self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.prompts = prompts  # request id -> its prompt's token ids
-        self._unfinished = set(request_ids)
         self._pending: dict[str, CoreOutput] = {}
         self._logprobs: dict[str, list] = {}
-        self._event = asyncio.Event()
         self._admitted = front._loop.create_future()
-        self.closed = False
-        self.error: BaseException | None = None
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
 
     async def admitted(self) -> None:
         """Return once the engine queued the requests; its ValueError if it refused them."""
@@ -122,28 +111,9 @@ class CoreRequestHandle:
             out.finish_reason, out.index, out.arrival_time = end[0], end[1], end[2]
             out.first_token_time, out.finish_time = end[3], end[4]
 
-    def _take(self) -> list[CoreOutput]:
+    def _poll(self) -> list[CoreOutput]:
         outs, self._pending = list(self._pending.values()), {}
-        for out in outs:
-            if out.finished:
-                self._unfinished.discard(out.request_id)
-                self.front._finished(out, self.model_name)
         return outs
-
-    async def next_outputs(self) -> list[CoreOutput]:
-        """Wait for outputs, then return every one delivered so far ([] once all finished)."""
-        while True:
-            outs = self._take()
-            if outs:
-                if self.finished:
-                    self.front._release(self)
-                return outs
-            if self.finished:
-                return []
-            if self.error is not None:
-                raise EngineDead(str(self.error)) from self.error
-            self._event.clear()
-            await self._event.wait()
 
     def end_early(self, request_id: str) -> None:
         """This choice is done though the engine still runs it (a stop string found here)."""

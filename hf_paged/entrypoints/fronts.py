@@ -1,9 +1,11 @@
 """What the two engine fronts (async_engine.AsyncEngine: the engine loop in a thread of this
 process; engine_client.EngineProcess: the engine in a process of its own) share with the serving
-layer and the command: their errors and the engine thread's default pacing. Torch-free, so the
-API process of --engine-process imports no engine module."""
+layer and the command: their errors, the engine thread's default pacing, and the request handle's
+waiting. Torch-free, so the API process of --engine-process imports no engine module."""
 
 from __future__ import annotations
+
+import asyncio
 
 # the engine thread's pacing of hand-offs to the event loop: seconds per live stream (see
 # async_engine's docstring)
@@ -16,3 +18,49 @@ class QueueFull(Exception):
 
 class EngineDead(Exception):
     """The engine loop stopped on an exception: nothing can be served (a 503)."""
+
+
+class StreamHandle:
+    """One HTTP request's engine requests, as the serving layer reads them: their outputs in
+    arrival order, batch by batch. A front's handle says where outputs come from (_poll)."""
+
+    def __init__(self, front, request_ids: list[str], model_name: str | None) -> None:
+        self.front = front
+        self.model_name = model_name  # the served model the client asked for (metrics' label)
+        self.request_ids = request_ids  # choice order: prompt by prompt, n each
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self._unfinished = set(request_ids)
+        self._event = asyncio.Event()
+        self.closed = False
+        self.error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def _poll(self) -> list:
+        raise NotImplementedError
+
+    def _take(self) -> list:
+        """The outputs delivered so far; a finished one goes to the front's hooks (metrics)."""
+        outs = self._poll()
+        for out in outs:
+            if out.finished:
+                self._unfinished.discard(out.request_id)
+                self.front._finished(out, self.model_name)
+        return outs
+
+    async def next_outputs(self) -> list:
+        """Wait for outputs, then return every one delivered so far ([] once all finished)."""
+        while True:
+            outs = self._take()
+            if outs:
+                if self.finished:
+                    self.front._release(self)
+                return outs
+            if self.finished:
+                return []
+            if self.error is not None:
+                raise EngineDead(str(self.error)) from self.error
+            self._event.clear()
+            await self._event.wait()
