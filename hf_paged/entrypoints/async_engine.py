@@ -85,23 +85,12 @@ class RequestHandle(StreamHandle):
     def _poll(self) -> list[RequestOutput]:
         return self.stream.poll()
 
-    def end_early(self, request_id: str) -> None:
-        """This choice is done though the engine still runs it (a stop string the output side
-        found first): free it now."""
-        if request_id in self._unfinished:
-            self._unfinished.discard(request_id)
-            self.front.engine.drop_stream(request_id)
-            if self.finished:
-                self.front._release(self)
+    def _drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.front.engine.drop_stream(rid)
 
-    def close(self) -> None:
-        """Abort whatever is unfinished and forget the handle (idempotent)."""
-        if self.closed:
-            return
-        self._take()  # requests that ended but were not read yet still count (metrics)
-        self.stream.close()
-        self._unfinished.clear()
-        self.front._release(self)
+    def _abort_rest(self) -> None:
+        self.stream.close()  # aborts what the stream still runs, and leaves the router
 
 
 class AsyncEngine:

@@ -115,26 +115,14 @@ class CoreRequestHandle(StreamHandle):
         outs, self._pending = list(self._pending.values()), {}
         return outs
 
-    def end_early(self, request_id: str) -> None:
-        """This choice is done though the engine still runs it (a stop string found here)."""
-        if request_id in self._unfinished:
-            self._unfinished.discard(request_id)
-            # nobody reads it any more: its abort's final output is dropped on arrival (not
-            # counted as a finished request, as in one process)
-            self.front._by_rid.pop(request_id, None)
-            self.front._abort([request_id])
-            if self.finished:
-                self.front._release(self)
-
-    def close(self) -> None:
-        """Abort whatever is unfinished and forget the handle (idempotent)."""
-        if self.closed:
+    def _drop(self, request_ids: list[str]) -> None:
+        if not request_ids:
             return
-        self._take()  # requests that ended but were not read yet still count (metrics)
-        if self._unfinished:
-            self.front._abort(sorted(self._unfinished))
-        self._unfinished.clear()
-        self.front._release(self)
+        # their abort's final outputs are dropped on arrival (not counted as finished
+        # requests, as in one process)
+        for rid in request_ids:
+            self.front._by_rid.pop(rid, None)
+        self.front._abort(request_ids)
 
 
 class EngineProcess:

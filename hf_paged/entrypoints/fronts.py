@@ -39,7 +39,34 @@ class StreamHandle:
         return not self._unfinished
 
     def _poll(self) -> list:
+        """The outputs delivered since the last call."""
         raise NotImplementedError
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """End these unfinished requests in the engine; nobody reads their outputs any more."""
+        raise NotImplementedError
+
+    def _abort_rest(self) -> None:
+        """close(): end whatever of this handle the engine still runs."""
+        self._drop(sorted(self._unfinished))
+
+    def end_early(self, request_id: str) -> None:
+        """This choice is done though the engine still runs it (a stop string the output side
+        found first): free it now."""
+        if request_id in self._unfinished:
+            self._unfinished.discard(request_id)
+            self._drop([request_id])
+            if self.finished:
+                self.front._release(self)
+
+    def close(self) -> None:
+        """Abort whatever is unfinished and forget the handle (idempotent)."""
+        if self.closed:
+            return
+        self._take()  # requests that ended but were not read yet still count (metrics)
+        self._abort_rest()
+        self._unfinished.clear()
+        self.front._release(self)
 
     def _take(self) -> list:
         """The outputs delivered so far; a finished one goes to the front's hooks (metrics)."""
