@@ -20,12 +20,14 @@ from .lora import (
     lora_shrink,
     lora_shrink_ref,
 )
+from .lora_epilogue import LoraEpilogue
 from .paged_attention import paged_attention, paged_attention_ref
 from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
 from .residual_norm import residual_rms_norm, residual_rms_norm_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
 
 __all__ = [
+    "LoraEpilogue",
     "argmax_rows",
     "decode_attention",
     "embed_tokens",

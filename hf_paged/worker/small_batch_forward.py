@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hf_paged.lora.layers import grouped, live, lora_add_
+from hf_paged.lora.slots import GROUP_A, GROUP_B, GROUP_SCALE, SCALE, A, B
 from hf_paged.worker.forward_context import PendingTokens, get_forward_context
 from hf_paged.worker.small_batch_layers import (
     Layer,
@@ -134,17 +136,15 @@ class SmallBatchForward:
         deltas."""
         if deltas is None:
             return None
-        from hf_paged.kernels.lora import LoraEpilogue, lora_shrink
-
         batch = get_forward_context().lora_groups
         kw = {}
         if norm is not None:  # x * g: the GEMV multiplies in each row's 1 / rms
             kw = dict(norm_weight=norm.weight, norm_plus_one=self.norm_plus_one)
-        s = lora_shrink(
+        s = self.kernels.lora.lora_shrink(
             x, deltas.a, batch.sorted_tokens, batch.slot_start, split_k=_shrink_split(x),
             pdl=self.pdl, **kw,
         )  # fmt: skip
-        return LoraEpilogue(
+        return self.kernels.LoraEpilogue(
             s, deltas.b, deltas.scale, batch.token_slots, deltas.slices, rms=norm is not None
         )
 
@@ -300,8 +300,6 @@ def _layer_lora(layer: Layer) -> _LayerLora | None:
     """The layer's LoRA deltas that apply in engine steps (routed LoRA layers: they hold the
     slot buffers), None when there are none. Looked up per call: peft may wrap a projection
     for an adapter loaded while the engine runs."""
-    from hf_paged.lora.layers import grouped, live
-    from hf_paged.lora.slots import GROUP_A, GROUP_B, GROUP_SCALE, SCALE, A, B
 
     def group(fused, holder, names):
         wrappers = [getattr(holder, n) for n in names]
@@ -335,8 +333,6 @@ def _shrink_split(x: torch.Tensor) -> int:
 def _add_deltas(y: torch.Tensor, x: torch.Tensor, wrappers: list, sizes=None) -> None:
     """y's column slices (sizes; one slice: all of y) += each LoRA layer's per-token delta of x
     (the step's adapter slots), through the op the LoRA layers use (hf_paged.lora.layers)."""
-    from hf_paged.lora.layers import lora_add_
-    from hf_paged.lora.slots import SCALE, A, B
 
     start = 0
     for wrapper, size in zip(wrappers, sizes or [y.shape[-1]], strict=True):
