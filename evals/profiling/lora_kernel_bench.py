@@ -74,13 +74,13 @@ class Layer:
         h = torch.randn(rows, self.hidden, device="cuda").bfloat16()
         attn = torch.randn(rows, self.hidden, device="cuda").bfloat16()
         slots = _slots(rows, self.slots)
+        seg = lora_segments(slots, self.slots)  # once a step in the engine, not per group
         inter = self.inter
 
         def epilogue(x, name, normed):
             if not lora:
                 return None
             a, b, scale, widths = self.groups[name]
-            seg = lora_segments(slots, self.slots)
             kw = dict(norm_weight=self.norm) if normed else {}
             from hf_paged.worker.small_batch_forward import _shrink_split
 
@@ -105,11 +105,11 @@ class Layer:
         x = torch.randn(t, self.hidden, device="cuda").bfloat16()
         xi = torch.randn(t, self.inter, device="cuda").bfloat16()
         slots = _slots(t, self.slots)
+        seg = lora_segments(slots, self.slots)  # once a step in the engine, not per group
         r = self.rank
 
         def lora(y, x_in, name):
             a, b, scale, widths = self.groups[name]
-            seg = lora_segments(slots, self.slots)
             if mode == "grouped":
                 lora_expand(y, lora_shrink(x_in, a, *seg), b, scale, *seg, slices=widths)
                 return
@@ -139,6 +139,9 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama-1.1b", choices=list(DIMS))
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument(
+        "--profile", action="store_true", help="kernels by time: 1 row with LoRA, 16 tokens grouped"
+    )
     args = parser.parse_args()
     from hf_paged.kernels.fused_gemv import pdl_available
 
@@ -163,6 +166,25 @@ def main() -> None:
         }
         b, gr, sl = times["base"], times["grouped"], times["slices"]
         print(f"| {t} | {b:.1f} | {gr:.1f} | {sl:.1f} | {b / gr:.1%} | {b / sl:.1%} |", flush=True)
+    if args.profile:
+        _profile("small batch, 1 row, LoRA", layer.small_batch(1, True, pdl))
+        _profile("many tokens, 16, grouped", layer.many_tokens(16, "grouped"))
+
+
+def _profile(title: str, fn, reps: int = 10) -> None:
+    """The kernels of fn by time (eager launches, so gaps between them are not counted)."""
+    from bench_setup import kernel_rows
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"\n{title}: kernels per call{kernel_rows(events, reps, top=15)}")
 
 
 if __name__ == "__main__":
