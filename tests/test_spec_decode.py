@@ -185,6 +185,34 @@ def test_small_verify_steps_replay_a_small_mixed_graph_with_the_fused_forward(ti
     assert graphs.token_bucket_for(k + 1) in rows  # the verify steps' padded bucket, fused
 
 
+@pytest.mark.parametrize("lengths", [[9], [9, 30]])
+def test_draft_chain_replays_its_decode_graph(tiny_model, lengths):
+    """With graphs, a draft's proposals after its first decode step replay that step's graph
+    with no host step between (ModelRunner.queue_decode_run). The graph runner without capture
+    (eager) on the CPU: a draft equal to the target still accepts everything, and the tokens
+    are those without speculation."""
+    from hf_paged.worker.cuda_graphs import CudaGraphRunner
+
+    target = tiny_model("llama")
+    prompts = _prompts(lengths)
+    opts = dict(attention_backend="triton", block_size=8)
+    ref = _reference(target, prompts, 24, **opts)
+    engine = Engine(
+        target, draft_model=tiny_model("llama"), **opts, **dict(FIXED, num_speculative_tokens=4)
+    )
+    draft = engine.runner.spec.draft.runner
+    draft.graphs = CudaGraphRunner(draft, eager=True)
+    real, runs = draft.graphs.decode_again, []
+    draft.graphs.decode_again = lambda step, n: runs.append(real(step, n)) or runs[-1]
+    got, outs = _outputs(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
+    engine.shutdown()
+    assert got == ref
+    assert all(o.spec_acceptance_rate == 1.0 for o in outs)
+    done = [r for r in runs if r is not None]
+    # every chain: k = 4 proposals, d_2 from its step and d_3, d_4 from the replays
+    assert len(done) == len(runs) > 0 and all(r.shape == (3, len(lengths)) for r in done)
+
+
 def test_draft_equal_to_target_accepts_everything(tiny_model):
     target = tiny_model("llama")
     prompts = _prompts([9, 33, 17])

@@ -15,6 +15,9 @@ Per step, after the target's tokens are known:
 2. k - 1 decode forwards, feeding d_1 .. d_{k-1}, give d_2 .. d_k.
 All k are queued without a wait between them (each reads the token drawn before it on the
 device, as asynchronous scheduling does); the host reads the proposals once, after the last.
+Where every request proposes k, d_3 .. d_k replay the decode graph of d_2's step again with no
+host work between (its inputs move themselves on): preparing a step on the host took longer
+than the draft's forward (~0.65 ms against ~0.37 ms, SmolLM2-135M shape, H200).
 The draft's KV for d_1 .. d_{k-1} is valid as far as the target accepts them (on_verified);
 past that the next catch-up rewrites it.
 
@@ -144,12 +147,25 @@ class DraftProposer:
                     decode.num_tokens.append(known + j)
                     decode.block_ids.append(block_ids)
             chain.append(decode)
-        for scheduled in chain:
+        for j, scheduled in enumerate(chain):
             pending = self.runner.execute(scheduled, async_output=True)
+            run = None
+            if j == 1 and len(chain) > 2 and len(chain[-1]) == len(scheduled):
+                # every row goes on to the last step: the rest of the chain replays the first
+                # decode step's graph with no host work between (ModelRunner.queue_decode_run)
+                run = self.runner.queue_decode_run(pending, len(chain) - 2)
             if before is not None:
                 read(*before)
             before = (scheduled, pending)
-        read(*before)
+            if run is not None:
+                for tokens in self.runner.finish_decode_run(run).tolist():
+                    for rid, t in zip(scheduled.req_ids, tokens):
+                        if rid in proposals:
+                            proposals[rid].append(t)
+                before = None
+                break
+        if before is not None:
+            read(*before)
         for rid, tokens in proposals.items():
             self.fed[rid] = (want[rid][1], len(tokens))
         return proposals

@@ -35,6 +35,9 @@ class PendingOutput:
         # a step whose sampling waits for its grammar bitmask (structured output): the call
         # that queues it, run by launch() once the previous step's output is handled
         self.deferred = None
+        # a plain greedy decode step that replayed a CUDA graph: its StepInputs, so more steps
+        # of the same rows can replay the graph again (ModelRunner.queue_decode_run)
+        self.decode_step = None
         if host is not None and on_cuda:  # the copy (or the graph's write) is queued
             self.event = torch.cuda.Event()
             self.event.record()
@@ -54,7 +57,8 @@ class PendingOutput:
             self.event.record()
 
     def wait(self) -> np.ndarray | None:
-        """The tokens (int64 [len(sample_rows)]) once on the host; None if none were sampled."""
+        """The tokens (int64 [len(sample_rows)], or [steps, len(sample_rows)] for a run of
+        decode steps) once on the host; None if none were sampled."""
         if self.deferred is not None:
             raise RuntimeError("a deferred sampling must be launched before its tokens are read")
         if self.host is None:

@@ -168,6 +168,22 @@ class PackedGraphInputs:
         elif advances:
             self._held = None
 
+    def holds_run(self, step, n: int) -> bool:
+        """True when the decode replay of `step` just left its inputs moved on (every input
+        token read on the device) and n more replays stay within the block table columns it
+        sent: replay j computes position positions + j, whose block must be in the table."""
+        held = self._held
+        return (
+            held is not None
+            and np.array_equal(step.rows, held.rows)
+            and np.array_equal(step.positions + 1, held.positions)
+            and bool((step.positions + n < held.table.shape[1] * self.block_size).all())
+        )
+
+    def moved_on(self, n: int) -> None:
+        """n replays more moved the held inputs on n positions (CudaGraphRunner.decode_again)."""
+        self._held.positions = self._held.positions + n
+
     def _device_holds(self, step, table: np.ndarray) -> bool:
         """True when the packed inputs on the device, as the last decode replay moved them on,
         are this decode step's: the same rows (so the same graph), every input a token sampled

@@ -116,6 +116,7 @@ class ModelRunner:
                 torch.empty(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
             ]
         self._host_flip = 0
+        self._run_host = None  # pinned landing rows of queue_decode_run, grown on demand
         self.graphs = None  # the warm-up forwards run before any graph exists
         self.graphs = capture_graphs(self, config, self.startup)
 
@@ -212,6 +213,8 @@ class ModelRunner:
                 self.input_batch.epoch[step.rows[sample_idx]], self.device.type == "cuda",
             )  # fmt: skip
             self._pending.failed = sampled.failed if sampled is not None else None
+            if landed is not None and self.graphs.advance:
+                self._pending.decode_step = step
             return self._pending
         if landed is not None:
             if self.device.type == "cuda":
@@ -247,6 +250,41 @@ class ModelRunner:
             pending.num_seqs, pending.sample_rows, tokens.tolist(), failed=pending.failed
         )
 
+    def queue_decode_run(self, pending: PendingOutput, n: int) -> PendingOutput | None:
+        """After execute(..., async_output=True) returned `pending` for a plain greedy decode
+        step that replayed a graph: the same rows' next n steps, each feeding the token the one
+        before drew, queued with no host work between them (CudaGraphRunner.decode_again; the
+        draft model's chain of proposals, where preparing each step on the host took longer
+        than its forward). Returns the PendingOutput of all n + 1 steps, for finish_decode_run;
+        `pending` is then read only through it (the replays reuse its landing row). None where
+        that cannot run: read `pending` with finish_async and run the steps as usual."""
+        step = pending.decode_step
+        if step is None or pending is not self._pending or self.tp is not None:
+            return None
+        tokens = self.graphs.decode_again(step, n)
+        if tokens is None:
+            return None
+        on_cuda = self.device.type == "cuda"
+        shape = tokens.shape
+        if self._run_host is None or self._run_host.shape[0] < shape[0]:
+            self._run_host = torch.empty(
+                (shape[0], self.config.max_num_seqs), dtype=torch.long, pin_memory=on_cuda
+            )
+        host = self._run_host[: shape[0], : shape[1]]  # read before the next run is queued
+        host.copy_(tokens, non_blocking=True)
+        self._pending = PendingOutput(
+            pending.num_seqs, pending.sample_rows, pending.rows, pending.positions, host,
+            pending.epochs, on_cuda,
+        )  # fmt: skip
+        return self._pending
+
+    def finish_decode_run(self, run: PendingOutput) -> np.ndarray:
+        """Wait for a queue_decode_run's tokens, int64 [steps, batch], and write them into the
+        rows that still belong to the requests that sampled them."""
+        if run is self._pending:
+            self._pending = None
+        return self._land(run)
+
     def _land(self, pending: PendingOutput):
         """Wait for a launched step's tokens and write them into the rows that still belong to
         the requests that sampled them. Also called early, before the next step samples, when
@@ -260,12 +298,16 @@ class ModelRunner:
         if tokens is None:
             return None
         live = self.input_batch.epoch[pending.rows] == pending.epochs
-        if live.all():
-            self.input_batch.add_tokens(pending.rows, pending.positions, tokens.tolist())
-        elif live.any():
-            self.input_batch.add_tokens(
-                pending.rows[live], pending.positions[live], tokens[live].tolist()
-            )
+        steps = tokens if tokens.ndim == 2 else tokens[None]  # a decode run: a row a step
+        for j, step_tokens in enumerate(steps):
+            if live.all():
+                self.input_batch.add_tokens(
+                    pending.rows, pending.positions + j, step_tokens.tolist()
+                )
+            elif live.any():
+                self.input_batch.add_tokens(
+                    pending.rows[live], pending.positions[live] + j, step_tokens[live].tolist()
+                )
         return tokens
 
     def _update_rows(self, batch: ScheduledBatch) -> None:
