@@ -265,12 +265,11 @@ class ModelRunner:
         if tokens is None:
             return None
         on_cuda = self.device.type == "cuda"
-        shape = tokens.shape
-        if self._run_host is None or self._run_host.shape[0] < shape[0]:
-            self._run_host = torch.empty(
-                (shape[0], self.config.max_num_seqs), dtype=torch.long, pin_memory=on_cuda
-            )
-        host = self._run_host[: shape[0], : shape[1]]  # read before the next run is queued
+        if self._run_host is None or self._run_host.numel() < tokens.numel():
+            self._run_host = torch.empty(tokens.numel(), dtype=torch.long, pin_memory=on_cuda)
+        # a contiguous view (a strided pinned destination would make the copy synchronous),
+        # read before the next run is queued
+        host = self._run_host[: tokens.numel()].view(tokens.shape)
         host.copy_(tokens, non_blocking=True)
         self._pending = PendingOutput(
             pending.num_seqs, pending.sample_rows, pending.rows, pending.positions, host,
