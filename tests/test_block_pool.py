@@ -12,10 +12,10 @@ def test_free_queue_is_fifo_with_o1_removal_from_the_middle():
     q = FreeBlockQueue(blocks)
     assert q.num_free_blocks == 5
     q.remove(blocks[2])
-    assert [b.block_id for b in q] == [0, 1, 3, 4]
+    assert list(q.block_ids()) == [0, 1, 3, 4]
     assert q.popleft() is blocks[0]
     q.append(blocks[2])
-    assert [b.block_id for b in q] == [1, 3, 4, 2]
+    assert list(q.block_ids()) == [1, 3, 4, 2]
     assert q.num_free_blocks == 4
     with pytest.raises(RuntimeError):
         q.remove(blocks[0])  # not in the queue
@@ -37,7 +37,8 @@ def test_allocate_free_refcounts_and_lru_order():
     pool.free_blocks([b, a])
     assert a.ref_cnt == 1 and b.ref_cnt == 0
     # the free queue order is the eviction order: never-used blocks 2,3 first, then b
-    assert [x.block_id for x in pool.free_block_queue] == [2, 3, b.block_id]
+    assert list(pool.free_block_queue.block_ids()) == [2, 3, b.block_id]
+    assert [x.block_id for x in pool.blocks] == [0, 1]  # blocks 2, 3 not made yet
     with pytest.raises(RuntimeError):
         pool.free_blocks([b])  # double free
     with pytest.raises(RuntimeError):
@@ -83,3 +84,16 @@ def test_reset_prefix_cache_only_when_idle():
     assert not pool.reset_prefix_cache()
     pool.free_blocks([block])
     assert pool.reset_prefix_cache() and not pool.cached_blocks
+
+
+def test_blocks_are_made_when_first_handed_out():
+    """A large cache's pool builds no block objects up front (start-up time), and hands out the
+    never-used blocks first, in id order, before any freed one."""
+    pool = BlockPool(10**6)
+    assert pool.blocks == [] and pool.get_num_free_blocks() == 10**6
+    a, b, c = pool.get_new_blocks(3)
+    assert [x.block_id for x in (a, b, c)] == [0, 1, 2] and pool.blocks == [a, b, c]
+    pool.free_blocks([b])
+    (d,) = pool.get_new_blocks(1)
+    assert d.block_id == 3  # unused blocks before the freed one
+    assert pool.get_num_free_blocks() == 10**6 - 3

@@ -240,7 +240,7 @@ class KVCacheManager:
             assert [b.block_id for b in blocks] == self.req_to_block_ids[rid], rid
             for b in blocks:
                 refs[b.block_id] += 1
-        free = {b.block_id for b in pool.free_block_queue}
+        free = set(pool.free_block_queue.block_ids())
         assert len(free) == pool.get_num_free_blocks(), "free queue count drifted"
         for block in pool.blocks:
             assert block.ref_cnt == refs[block.block_id], f"refcount mismatch on {block}"
