@@ -75,10 +75,11 @@ def token_buckets(max_tokens: int, small_rows: int = 0) -> list[int]:
     """Token counts of the mixed-step graphs: fine steps where steps are short and the host's
     launch cost matters most, coarser ones above (padding there is a smaller fraction).
     small_rows: the small-batch forward's largest step (0: none). Mixed steps of that many
-    tokens or fewer (a batch-1 verify step of k + 1 tokens, a short prompt) get buckets of
-    their own, 2, 4, ... up to it, whose graphs hold that forward: padded to 32 tokens they ran
-    transformers' forward with cuBLAS GEMMs at 32 rows, ~1.3 ms over a batch-1 decode step on
-    the Llama-3-8B shape (H200, evals/profiling/spec_profile.py, 2026-12-02)."""
+    tokens or fewer get buckets of their own, 2, 4, ... up to it, whose graphs hold that
+    forward, as decode steps of that many rows do. Its GEMVs compute rows one after another, so
+    this pays at 2 rows (the default) and not at more: a 6-token verify step took ~18.7 ms
+    through it against ~4.6 ms padded to the 32-token graph of transformers' forward (Llama-3-8B
+    shape, H200, evals/profiling/spec_profile.py --small-batch-rows 8, 2026-12-02)."""
     if max_tokens < 1:
         return []
     sizes = {32, 64, 96, 128}
