@@ -50,11 +50,12 @@ class EngineCore:
         self.lora = lora
         if lora is not None:
             lora.attach(self.runner.input_batch)
-        self.kv = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config, self.kv)
-        self.output_processor = OutputProcessor(self.scheduler, tokenizer)
+        with self.runner.startup.phase("setup"):
+            self.kv = KVCacheManager(
+                self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            )
+            self.scheduler = Scheduler(config, self.kv)
+            self.output_processor = OutputProcessor(self.scheduler, tokenizer)
         self.num_steps = 0
         self.peak_blocks_used = 0
         # beam search groups in flight (hf_paged.generation.beam_search): each takes its beams'

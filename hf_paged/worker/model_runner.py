@@ -71,16 +71,17 @@ class ModelRunner:
             # graphs bake them)
             num_kv_heads = [s.num_kv_heads for s in self.kv_spec.layers]
             self.kv_scales = kv_cache_scales(model, num_kv_heads, kv_dtype, config.kv_cache_scale)
-        self.backend = make_backend(config.attention_backend, self.device, config.block_size)
+        with self.startup.phase("setup"):
+            self.backend = make_backend(config.attention_backend, self.device, config.block_size)
+            self.sampler = Sampler(self.device)
+            self.forward = ModelForward(model, config, self.backend.name)
         self._host_lists = self.backend.name == "torch"
-        self.sampler = Sampler(self.device)
         # speculative decoding (hf_paged/spec_decode): proposals for the next step, made after
         # each synchronous step; set by the engine when it speculates
         self.spec = None
         # asynchronous scheduling: the launched step whose tokens the host has not read yet
         self._pending: PendingOutput | None = None
         self.steps = 0  # steps executed (a sampling graph's penalty counts follow runs of them)
-        self.forward = ModelForward(model, config, self.backend.name)
         self.startup.forward = self.forward  # its first compiled forward counts as compile
         try:
             self._start(config)

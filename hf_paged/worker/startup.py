@@ -259,7 +259,8 @@ def capture_graphs(runner, config: EngineConfig, times: StartupTimes):
     if device.type == "cuda" and graphs_ok:
         from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
-        graphs = CudaGraphRunner(runner)
+        with times.phase("graph_capture"):  # its static buffers, pinned twins included
+            graphs = CudaGraphRunner(runner)
     recorded = False  # the graph buckets' first forward ran, recording
     marker = None  # where a start-up that compiled ahead leaves its mark
     if device.type == "cuda" and runner.backend.name == "triton":

@@ -14,13 +14,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# In the order they run. fuse_projections: q/k/v and gate/up concatenated; quantize: FP8
+# In the order they run. setup: the runner's and the engine core's parts built before and
+# around the cache (the model forward's wrappers, the attention backend, the sampler, the block
+# pool, the scheduler); fuse_projections: q/k/v and gate/up concatenated; quantize: FP8
 # weights; kv_sizing: the K/V shape probe, FP8 scale calibration and the profiling forward that
 # sizes the cache on CUDA; compile: torch.compile's first forward (dynamo and inductor, or their
 # on-disk caches: docs/startup.md); kv_allocation: the cache and the runner's buffers;
 # kernel_warm_up: every attention-kernel variant once; graph_capture: the decode and mixed-step
 # CUDA graphs; speculative: the draft model's runner; verify_model: the start-up check.
 PHASES = (
+    "setup",
     "fuse_projections",
     "quantize",
     "kv_sizing",
