@@ -188,7 +188,7 @@ def test_small_verify_steps_replay_a_small_mixed_graph_with_the_fused_forward(ti
 @pytest.mark.parametrize("lengths", [[9], [9, 30]])
 def test_draft_chain_replays_its_decode_graph(tiny_model, lengths):
     """With graphs, a draft's proposals after its first decode step replay that step's graph
-    with no host step between (ModelRunner.queue_decode_run). The graph runner without capture
+    with no host step between (model_runner.queue_decode_run). The graph runner without capture
     (eager) on the CPU: a draft equal to the target still accepts everything, and the tokens
     are those without speculation."""
     from hf_paged.worker.cuda_graphs import CudaGraphRunner

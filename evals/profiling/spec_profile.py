@@ -124,7 +124,7 @@ def main() -> None:
         clock.wrap(spec, "propose", "draft propose (all)")
         clock.wrap(spec.draft.runner, "execute", "draft execute (queue)")
         clock.wrap(spec.draft.runner, "finish_async", "draft finish_async (wait+read)")
-        clock.wrap(spec.draft.runner, "finish_decode_run", "draft finish_decode_run (wait+read)")
+        clock.wrap(model_runner, "finish_decode_run", "draft finish_decode_run (wait+read)")
         clock.wrap(model_runner, "verify_step", "verify_step (all)")
         before = engine.stats()
         secs, steps = run(engine, prompts, args.max_new_tokens, "on")

@@ -121,6 +121,8 @@ class DraftProposer:
                 want[rid] = (k, known, batch.block_ids[i])
         if not catch_up.req_ids:
             return {}
+        from hf_paged.worker.model_runner import finish_decode_run, queue_decode_run
+
         # The chain runs as asynchronous scheduling does: each decode forward reads the token
         # the one before it drew from the runner's last_tokens on the device, and the host
         # reads a step's tokens after queuing the next one (the runner's landing buffers hold
@@ -152,13 +154,13 @@ class DraftProposer:
             run = None
             if j == 1 and len(chain) > 2 and len(chain[-1]) == len(scheduled):
                 # every row goes on to the last step: the rest of the chain replays the first
-                # decode step's graph with no host work between (ModelRunner.queue_decode_run)
-                run = self.runner.queue_decode_run(pending, len(chain) - 2)
+                # decode step's graph with no host work between (model_runner.queue_decode_run)
+                run = queue_decode_run(self.runner, pending, len(chain) - 2)
             if before is not None:
                 read(*before)
             before = (scheduled, pending)
             if run is not None:
-                for tokens in self.runner.finish_decode_run(run).tolist():
+                for tokens in finish_decode_run(self.runner, run).tolist():
                     for rid, t in zip(scheduled.req_ids, tokens):
                         if rid in proposals:
                             proposals[rid].append(t)

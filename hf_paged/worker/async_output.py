@@ -36,7 +36,7 @@ class PendingOutput:
         # that queues it, run by launch() once the previous step's output is handled
         self.deferred = None
         # a plain greedy decode step that replayed a CUDA graph: its StepInputs, so more steps
-        # of the same rows can replay the graph again (ModelRunner.queue_decode_run)
+        # of the same rows can replay the graph again (model_runner.queue_decode_run)
         self.decode_step = None
         if host is not None and on_cuda:  # the copy (or the graph's write) is queued
             self.event = torch.cuda.Event()

@@ -251,40 +251,6 @@ class ModelRunner:
             pending.num_seqs, pending.sample_rows, tokens.tolist(), failed=pending.failed
         )
 
-    def queue_decode_run(self, pending: PendingOutput, n: int) -> PendingOutput | None:
-        """After execute(..., async_output=True) returned `pending` for a plain greedy decode
-        step that replayed a graph: the same rows' next n steps, each feeding the token the one
-        before drew, queued with no host work between them (CudaGraphRunner.decode_again; the
-        draft model's chain of proposals, where preparing each step on the host took longer
-        than its forward). Returns the PendingOutput of all n + 1 steps, for finish_decode_run;
-        `pending` is then read only through it (the replays reuse its landing row). None where
-        that cannot run: read `pending` with finish_async and run the steps as usual."""
-        step = pending.decode_step
-        if step is None or pending is not self._pending or self.tp is not None:
-            return None
-        tokens = self.graphs.decode_again(step, n)
-        if tokens is None:
-            return None
-        on_cuda = self.device.type == "cuda"
-        if self._run_host is None or self._run_host.numel() < tokens.numel():
-            self._run_host = torch.empty(tokens.numel(), dtype=torch.long, pin_memory=on_cuda)
-        # a contiguous view (a strided pinned destination would make the copy synchronous),
-        # read before the next run is queued
-        host = self._run_host[: tokens.numel()].view(tokens.shape)
-        host.copy_(tokens, non_blocking=True)
-        self._pending = PendingOutput(
-            pending.num_seqs, pending.sample_rows, pending.rows, pending.positions, host,
-            pending.epochs, on_cuda,
-        )  # fmt: skip
-        return self._pending
-
-    def finish_decode_run(self, run: PendingOutput) -> np.ndarray:
-        """Wait for a queue_decode_run's tokens, int64 [steps, batch], and write them into the
-        rows that still belong to the requests that sampled them."""
-        if run is self._pending:
-            self._pending = None
-        return self._land(run)
-
     def _land(self, pending: PendingOutput):
         """Wait for a launched step's tokens and write them into the rows that still belong to
         the requests that sampled them. Also called early, before the next step samples, when
@@ -412,3 +378,39 @@ def _take_pending_tokens(runner: ModelRunner, step: StepInputs, sample_idx) -> N
     if chosen:
         at = to_device(np.asarray(chosen), runner.device)
         pool.pending_tokens = runner.last_tokens.index_select(0, at)
+
+
+def queue_decode_run(runner: ModelRunner, pending: PendingOutput, n: int) -> PendingOutput | None:
+    """After runner.execute(..., async_output=True) returned `pending` for a plain greedy decode
+    step that replayed a graph: the same rows' next n steps, each feeding the token the one
+    before drew, queued with no host work between them (CudaGraphRunner.decode_again; the draft
+    model's chain of proposals, where preparing each step on the host took longer than its
+    forward). Returns the PendingOutput of all n + 1 steps, for finish_decode_run; `pending` is
+    then read only through it (the replays reuse its landing row). None where that cannot run:
+    read `pending` with finish_async and run the steps as usual."""
+    step = pending.decode_step
+    if step is None or pending is not runner._pending or runner.tp is not None:
+        return None
+    tokens = runner.graphs.decode_again(step, n)
+    if tokens is None:
+        return None
+    on_cuda = runner.device.type == "cuda"
+    if runner._run_host is None or runner._run_host.numel() < tokens.numel():
+        runner._run_host = torch.empty(tokens.numel(), dtype=torch.long, pin_memory=on_cuda)
+    # a contiguous view (a strided pinned destination would make the copy synchronous), read
+    # before the next run is queued
+    host = runner._run_host[: tokens.numel()].view(tokens.shape)
+    host.copy_(tokens, non_blocking=True)
+    runner._pending = PendingOutput(
+        pending.num_seqs, pending.sample_rows, pending.rows, pending.positions, host,
+        pending.epochs, on_cuda,
+    )  # fmt: skip
+    return runner._pending
+
+
+def finish_decode_run(runner: ModelRunner, run: PendingOutput) -> np.ndarray:
+    """Wait for a queue_decode_run's tokens, int64 [steps, batch], and write them into the rows
+    that still belong to the requests that sampled them."""
+    if run is runner._pending:
+        runner._pending = None
+    return runner._land(run)
