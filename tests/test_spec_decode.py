@@ -185,17 +185,23 @@ def test_small_verify_steps_replay_a_small_mixed_graph_with_the_fused_forward(ti
     assert graphs.token_bucket_for(k + 1) in rows  # the verify steps' padded bucket, fused
 
 
-@pytest.mark.parametrize("lengths", [[9], [9, 30]])
-def test_draft_chain_replays_its_decode_graph(tiny_model, lengths):
+@pytest.mark.parametrize(
+    "lengths, budget",
+    [([9], None), ([9, 30], None), ([9, 10], 8)],  # 8 tokens a step: one row's proposals cut
+)
+def test_draft_chain_replays_its_decode_graph(tiny_model, lengths, budget):
     """With graphs, a draft's proposals after its first decode step replay that step's graph
     with no host step between (model_runner.queue_decode_run). The graph runner without capture
     (eager) on the CPU: a draft equal to the target still accepts everything, and the tokens
-    are those without speculation."""
+    are those without speculation. The proposals are read only when the next step starts
+    (DraftProposer.land): a row whose proposals the token budget cut gets the values too."""
     from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
     target = tiny_model("llama")
     prompts = _prompts(lengths)
     opts = dict(attention_backend="triton", block_size=8)
+    if budget is not None:
+        opts.update(max_num_batched_tokens=budget, enable_chunked_prefill=True)
     ref = _reference(target, prompts, 24, **opts)
     engine = Engine(
         target, draft_model=tiny_model("llama"), **opts, **dict(FIXED, num_speculative_tokens=4)
@@ -204,13 +210,26 @@ def test_draft_chain_replays_its_decode_graph(tiny_model, lengths):
     draft.graphs = CudaGraphRunner(draft, eager=True)
     real, runs = draft.graphs.decode_again, []
     draft.graphs.decode_again = lambda step, n: runs.append(real(step, n)) or runs[-1]
+    spec, cuts = engine.runner.spec, []
+    land = spec.land
+
+    def watch(scheduled):  # rows whose scheduled proposals are fewer than the draft made
+        unread = spec.draft._unread
+        made = {rid: len(p) for rid, p in unread[-1].items()} if unread else {}
+        land(scheduled)
+        cuts.extend(r for r, p in (scheduled or {}).items() if len(p) < made.get(r, 0))
+
+    spec.land = watch
     got, outs = _outputs(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
     engine.shutdown()
     assert got == ref
     assert all(o.spec_acceptance_rate == 1.0 for o in outs)
     done = [r for r in runs if r is not None]
-    # every chain: k = 4 proposals, d_2 from its step and d_3, d_4 from the replays
-    assert len(done) == len(runs) > 0 and all(r.shape == (3, len(lengths)) for r in done)
+    # every chain: up to k = 4 proposals (fewer near the length limit), d_2 from its step and
+    # the rest from the replays
+    assert len(done) == len(runs) > 0 and all(2 <= r.shape[0] <= 3 for r in done)
+    assert any(r.shape[0] == 3 for r in done)
+    assert bool(cuts) == (budget is not None)
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_model):
@@ -239,17 +258,42 @@ def test_adversarial_draft_still_identical(tiny_model):
     engine.shutdown()
 
 
-def test_draft_under_chunked_prefill_preemption_and_prefix_hits(tiny_model):
+def _draft_graphs(engine) -> list:
+    """The draft's runner on the graph runner's padded buffers without capture (eager): its
+    chains run as decode runs and their proposals are read when the next step starts. Returns
+    the decode runs' token tensors, as they are queued."""
+    from hf_paged.worker.cuda_graphs import CudaGraphRunner
+
+    draft = engine.runner.spec.draft.runner
+    graphs = draft.graphs = CudaGraphRunner(draft, eager=True)
+    real, runs = graphs.decode_again, []
+
+    def decode_again(step, n):
+        out = real(step, n)
+        if out is not None:
+            runs.append(out)
+        return out
+
+    graphs.decode_again = decode_again
+    return runs
+
+
+@pytest.mark.parametrize("draft_graphs", [False, True])
+def test_draft_under_chunked_prefill_preemption_and_prefix_hits(tiny_model, draft_graphs):
     target = tiny_model("llama")
     shared = _prompts([48], seed=9)[0]
     prompts = [shared + p for p in _prompts([5, 20, 11, 30], seed=4)] + _prompts([60, 3])
     options = dict(max_num_batched_tokens=32, num_blocks=24, block_size=8)
+    if draft_graphs:
+        options["attention_backend"] = "triton"
     ref = _reference(target, prompts, 24, **options)
     engine = Engine(target, draft_model=tiny_model("llama", seed=1), **FIXED, **options)
+    runs = _draft_graphs(engine) if draft_graphs else None
     got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
     stats = engine.stats()
     engine.shutdown()
     assert got == ref
+    assert runs is None or runs
     assert stats["num_preemptions"] > 0, stats
     assert stats["prefix_cache_hits"] > 0, stats
     assert stats["spec_num_proposed"] > 0, stats
@@ -316,9 +360,12 @@ def test_stop_string_inside_an_accepted_run(tiny_model):
     assert got == expected and len(got[0]) <= 6
 
 
-def test_aborts_and_history_options_leave_no_blocks(tiny_model):
+@pytest.mark.parametrize("draft_graphs", [False, True])
+def test_aborts_and_history_options_leave_no_blocks(tiny_model, draft_graphs):
     target = tiny_model("llama")
-    engine = Engine(target, draft_model=tiny_model("llama"), **FIXED)
+    backend = {"attention_backend": "triton"} if draft_graphs else {}
+    engine = Engine(target, draft_model=tiny_model("llama"), **FIXED, **backend)
+    runs = _draft_graphs(engine) if draft_graphs else None
     ids = [
         engine.add_request(p, SamplingParams(max_tokens=30, temperature=0))
         for p in _prompts([5, 9, 14])
@@ -337,6 +384,7 @@ def test_aborts_and_history_options_leave_no_blocks(tiny_model):
     engine.check_invariants()
     assert engine.kv.get_num_free_blocks() == engine.kv.num_blocks
     assert outs[penalised].num_spec_proposed == 0 and outs[ids[0]].num_spec_proposed > 0
+    assert runs is None or runs
     engine.shutdown()
 
 

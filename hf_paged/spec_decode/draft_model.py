@@ -86,10 +86,17 @@ class DraftProposer:
         self.valid: dict[str, int] = {}
         # requests that proposed last step: (first position fed a proposal, proposals made)
         self.fed: dict[str, tuple[int, int]] = {}
+        # a chain queued whose tokens the host has not read (land()): the catch-up, its
+        # pending output, the decode steps' batch, their decode run, the proposals handed out
+        self._unread = None
 
     def propose(self, batch: ScheduledBatch, step, target_ib, accepted, limits: dict) -> dict:
         """limits: request id -> proposals wanted (requests that got a token this step and
-        may speculate). Returns request id -> proposals."""
+        may speculate). Returns request id -> proposals: where the chain ran as a decode run,
+        lists of k placeholders (-1) whose values land() writes once they are read (before the
+        next step feeds them to the target: ModelRunner.execute), so the host handles the step's
+        outputs and schedules the next while the GPU runs the draft."""
+        self.land()  # a chain never verified (its requests ended or were not scheduled)
         self.fed.clear()  # proposals not verified (not scheduled): their KV counts for nothing
         catch_up, want = ScheduledBatch(), {}
         dib = self.runner.input_batch
@@ -121,7 +128,7 @@ class DraftProposer:
                 want[rid] = (k, known, batch.block_ids[i])
         if not catch_up.req_ids:
             return {}
-        from hf_paged.worker.model_runner import finish_decode_run, queue_decode_run
+        from hf_paged.worker.model_runner import queue_decode_run
 
         # The chain runs as asynchronous scheduling does: each decode forward reads the token
         # the one before it drew from the runner's last_tokens on the device, and the host
@@ -151,25 +158,45 @@ class DraftProposer:
             chain.append(decode)
         for j, scheduled in enumerate(chain):
             pending = self.runner.execute(scheduled, async_output=True)
-            run = None
-            if j == 1 and len(chain) > 2 and len(chain[-1]) == len(scheduled):
-                # every row goes on to the last step: the rest of the chain replays the first
-                # decode step's graph with no host work between (model_runner.queue_decode_run)
+            if j == 1 and len(chain) > 2 and len(chain[-1]) == len(want):
+                # every proposing request goes on to the last step: the rest of the chain
+                # replays the first decode step's graph with no host work between
+                # (model_runner.queue_decode_run)
                 run = queue_decode_run(self.runner, pending, len(chain) - 2)
+                if run is not None:
+                    # read later (land()): every proposing request samples d_1 in the
+                    # catch-up (it feeds its newest token) and d_2 .. d_k in the decode steps
+                    proposals = {rid: [-1] * len(chain) for rid in scheduled.req_ids}
+                    self._unread = (catch_up, before[1], scheduled, run, proposals)
+                    before = None
+                    break
             if before is not None:
                 read(*before)
             before = (scheduled, pending)
-            if run is not None:
-                for tokens in finish_decode_run(self.runner, run).tolist():
-                    for rid, t in zip(scheduled.req_ids, tokens):
-                        if rid in proposals:
-                            proposals[rid].append(t)
-                before = None
-                break
         if before is not None:
             read(*before)
         for rid, tokens in proposals.items():
             self.fed[rid] = (want[rid][1], len(tokens))
+        return proposals
+
+    def land(self) -> dict[str, list[int]] | None:
+        """Read the tokens of the chain propose() queued last, if not read yet, into the
+        proposal lists it handed out (and the draft's rows); returns those lists."""
+        from hf_paged.worker.model_runner import finish_decode_run
+
+        unread, self._unread = self._unread, None
+        if unread is None:
+            return None
+        catch_up, pending, decodes, run, proposals = unread
+        out = self.runner.finish_async(pending)
+        for rid, t in zip(catch_up.req_ids, out.sampled_token_ids):
+            if rid in proposals:
+                if t < 0:  # propose() handed out k places for it: it must have sampled
+                    raise RuntimeError(f"draft catch-up sampled nothing for {rid}")
+                proposals[rid][0] = t
+        for j, tokens in enumerate(finish_decode_run(self.runner, run).tolist(), start=1):
+            for rid, t in zip(decodes.req_ids, tokens):
+                proposals[rid][j] = t
         return proposals
 
     def on_verified(self, scheduled: dict, accepted: dict[str, list[int]]) -> None:
@@ -188,6 +215,7 @@ class DraftProposer:
             self.fed.pop(rid, None)
 
     def shutdown(self) -> None:
+        self._unread = None
         self.runner.shutdown()
         self._give_back()
 

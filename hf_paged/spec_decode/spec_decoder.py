@@ -110,6 +110,17 @@ class SpecDecoder:
                     out[batch.req_ids[i]] = proposal
         return out or None
 
+    def land(self, scheduled: dict[str, list[int]] | None) -> None:
+        """Before a step: the draft's last proposals, queued on the device and handed out as
+        placeholders (DraftProposer.propose), are read; their values fill the lists handed out
+        and this step's scheduled copies of them (the scheduler may have cut a list short)."""
+        landed = self.draft.land() if self.draft is not None else None
+        if landed and scheduled:
+            for rid, tokens in scheduled.items():
+                full = landed.get(rid)
+                if full is not None and tokens is not full:
+                    tokens[:] = full[: len(tokens)]
+
     @staticmethod
     def _room(ib, row: int, k: int) -> int:
         """At most k, and one fewer than the tokens the request has left (a verify step gives

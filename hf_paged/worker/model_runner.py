@@ -151,6 +151,8 @@ class ModelRunner:
         PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
         deferred = self._pending if self._pending and self._pending.deferred else None
         self.steps += 1
+        if self.spec is not None:  # the draft's proposals were queued, not read: read now
+            self.spec.land(batch.spec_token_ids)
         self._update_rows(batch)
         step = prepare_inputs(batch, self.input_batch, self.block_size)
         kept = kept_rows(step, self.input_batch)
