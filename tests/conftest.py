@@ -174,6 +174,36 @@ def randomize_lora_b(model, name: str | None = None) -> None:
                     torch.nn.init.normal_(lin.weight, std=0.5)
 
 
+def peft_generate_alone(model, prompt: list[int], name: str | None, max_new: int) -> list[int]:
+    """peft's own greedy generate of a PeftModel with one adapter (None: the base model): the
+    reference a row running that adapter in a mixed batch must equal."""
+    ids = torch.tensor([prompt])
+    if name is None:
+        with model.disable_adapter():
+            out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
+    else:
+        model.set_adapter(name)
+        out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def count_small_batch_rows(engine) -> list[int]:
+    """Wrap the engine's small-batch forward so each call appends its token count to the list
+    returned (the forwards the fused path ran, and their rows)."""
+    fast = engine.runner.forward.small_batch
+    seen: list[int] = []
+
+    class Counting:
+        max_rows = fast.max_rows
+
+        def __call__(self, ids, pos, keep):
+            seen.append(ids.shape[0])
+            return fast(ids, pos, keep)
+
+    engine.runner.forward.small_batch = Counting()
+    return seen
+
+
 @pytest.fixture
 def peft_model():
     pytest.importorskip("peft")

@@ -9,20 +9,9 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
+from tests.conftest import peft_generate_alone
 
 peft = pytest.importorskip("peft")
-
-
-def _alone(model, prompt: list[int], name: str | None, max_new: int) -> list[int]:
-    """peft's own greedy generate with one adapter (or the base model)."""
-    ids = torch.tensor([prompt])
-    if name is None:
-        with model.disable_adapter():
-            out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-    else:
-        model.set_adapter(name)
-        out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def _prompts(lengths, seed=0):
@@ -34,7 +23,7 @@ def test_each_row_gets_its_own_adapter(peft_model):
     model = peft_model()
     prompts = _prompts([7, 19, 12, 30, 9])
     names = ["math", None, "chat", "code", "math"]
-    want = [_alone(model, p, n, 8) for p, n in zip(prompts, names)]
+    want = [peft_generate_alone(model, p, n, 8) for p, n in zip(prompts, names)]
     assert len({tuple(w) for w in want[:4]}) == 4  # the adapters change the output
     eng = Engine(model, max_num_batched_tokens=32)  # chunked prefill mixes adapters in steps
     params = [
@@ -72,7 +61,10 @@ def test_generate_adapter_names_as_peft(peft_model):
     model = peft_model()
     prompts = _prompts([6, 6, 6], seed=4)
     names = ["chat", "__base__", "code"]
-    want = [_alone(model, p, None if n == "__base__" else n, 5) for p, n in zip(prompts, names)]
+    want = [
+        peft_generate_alone(model, p, None if n == "__base__" else n, 5)
+        for p, n in zip(prompts, names)
+    ]
     hf_paged.patch(model)
     try:
         out = model.generate(
@@ -115,9 +107,9 @@ def test_adapter_loaded_while_the_engine_runs(peft_model, lora_b):
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = o.output_token_ids
-    assert outs[running] == _alone(model, prompt, "math", 6)
+    assert outs[running] == peft_generate_alone(model, prompt, "math", 6)
     model.set_adapter("docs")
-    assert outs[late] == _alone(model, prompt, "docs", 6)
+    assert outs[late] == peft_generate_alone(model, prompt, "docs", 6)
     eng.shutdown()
 
 
@@ -154,8 +146,8 @@ def test_generate_without_adapter_names_runs_peft_active_adapter(peft_model):
     model = peft_model()
     prompts = _prompts([7, 7], seed=11)
     model.set_adapter("code")
-    want = [_alone(model, p, "code", 5) for p in prompts]
-    base = [_alone(model, p, None, 5) for p in prompts]
+    want = [peft_generate_alone(model, p, "code", 5) for p in prompts]
+    base = [peft_generate_alone(model, p, None, 5) for p in prompts]
     assert want != base
     model.set_adapter("code")
     hf_paged.patch(model)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
+from tests.conftest import count_small_batch_rows, peft_generate_alone
 
 peft = pytest.importorskip("peft")
 
@@ -30,17 +31,6 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def _alone(model, prompt, name, max_new):
-    ids = torch.tensor([prompt])
-    if name is None:
-        with model.disable_adapter():
-            out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-    else:
-        model.set_adapter(name)
-        out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt) :].tolist()
-
-
 def _params(name, n=4):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, adapter=name)
 
@@ -55,7 +45,7 @@ def test_a_layers_qkv_group_is_one_shrink_op(peft_model, monkeypatch):
     model = _model(peft_model)
     prompts = _prompts([7, 5, 9], seed=1)
     names = ["all", None, "qv"]
-    want = [_alone(model, p, n, 4) for p, n in zip(prompts, names)]
+    want = [peft_generate_alone(model, p, n, 4) for p, n in zip(prompts, names)]
     eng = Engine(model, small_batch_rows=0, **ENGINE)  # the transformers forward only
     attn, mlp = _layer(model).self_attn, _layer(model).mlp
     qkv = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
@@ -85,11 +75,11 @@ def test_small_batch_forward_shrinks_once_a_group_and_expands_in_the_gemvs(peft_
     model = _model(peft_model)
     prompts = _prompts([6, 11, 4], seed=2)
     names = ["qv", "all", None]
-    want = [_alone(model, p, n, 5) for p, n in zip(prompts, names)]
+    want = [peft_generate_alone(model, p, n, 5) for p, n in zip(prompts, names)]
     eng = Engine(model, small_batch_rows=8, **ENGINE)
     fast = eng.runner.forward.small_batch
     assert fast is not None
-    shrinks, expands, steps = [], [], []
+    shrinks, expands = [], []
     real_shrink = lora_kernels.lora_shrink
 
     def shrink(x, a, *args, **kw):
@@ -109,14 +99,7 @@ def test_small_batch_forward_shrinks_once_a_group_and_expands_in_the_gemvs(peft_
 
     monkeypatch.setattr(kernels, "norm_qkv_rope", norm_qkv_rope)
 
-    class Counting:
-        max_rows = fast.max_rows
-
-        def __call__(self, ids, pos, keep):
-            steps.append(ids.shape[0])
-            return fast(ids, pos, keep)
-
-    eng.runner.forward.small_batch = Counting()
+    steps = count_small_batch_rows(eng)
     got = [o.output_token_ids for o in eng.generate(prompts, [_params(n, 5) for n in names])]
     eng.shutdown()
     assert got == want
@@ -180,4 +163,6 @@ def test_a_slice_disabled_alone_takes_per_slice_deltas(peft_model, small_batch_r
     eng.shutdown()
     assert got == want
     disabled(False)
-    assert want[0] != _alone(model, prompts[0], "all", 4)  # the disabled slices mattered
+    assert want[0] != peft_generate_alone(
+        model, prompts[0], "all", 4
+    )  # the disabled slices mattered

@@ -10,19 +10,9 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
+from tests.conftest import peft_generate_alone
 
 peft = pytest.importorskip("peft")
-
-
-def _alone(model, prompt, name, max_new):
-    ids = torch.tensor([prompt])
-    if name is None:
-        with model.disable_adapter():
-            out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-    else:
-        model.set_adapter(name)
-        out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def _prompts(lengths, seed=0):
@@ -42,7 +32,7 @@ def test_kernels_in_an_engine_step_give_peft_tokens(peft_model, monkeypatch):
     model = peft_model()
     prompts = _prompts([9, 4, 6, 5], seed=1)
     names = ["chat", None, "code", "math"]
-    want = [_alone(model, p, n, 3) for p, n in zip(prompts, names)]
+    want = [peft_generate_alone(model, p, n, 3) for p, n in zip(prompts, names)]
     eng = Engine(model, max_num_batched_tokens=16, max_loras=4)  # prefill chunks mix adapters
     got = [o.output_token_ids for o in eng.generate(prompts, [_params(n, 3) for n in names])]
     assert got == want
@@ -61,7 +51,7 @@ def test_graph_inputs_carry_each_tokens_slot(peft_model, monkeypatch, kernels):
     model = peft_model()
     prompts = _prompts([9, 3, 14], seed=8)
     names = ["code", "chat", None]
-    want = [_alone(model, p, n, 4) for p, n in zip(prompts, names)]
+    want = [peft_generate_alone(model, p, n, 4) for p, n in zip(prompts, names)]
     eng = Engine(model, attention_backend="triton", max_num_batched_tokens=32, max_num_seqs=3)
     eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
     eng.runner.graphs.capture()
@@ -79,7 +69,7 @@ def test_more_adapters_over_time_than_slots_reuse_them(peft_model):
     routing = eng.core.lora
     for name in ["math", "chat", None, "code", "math"]:
         out = eng.generate([prompt], _params(name))[0].output_token_ids
-        assert out == _alone(model, prompt, name, 5), name
+        assert out == peft_generate_alone(model, prompt, name, 5), name
         if name is not None:
             assert routing.slots.slot_of == {name: 0}  # the one slot, copied again each time
     eng.check_invariants()
@@ -102,9 +92,9 @@ def test_more_adapters_at_once_than_slots_are_refused(peft_model):
     while eng.has_unfinished_requests():
         for o in eng.step():
             done[o.request_id] = o.output_token_ids
-    assert len(done) == 4 and done[first] == _alone(model, prompts[0], "math", 5)
+    assert len(done) == 4 and done[first] == peft_generate_alone(model, prompts[0], "math", 5)
     # once they have finished, the third adapter is welcome
-    assert eng.generate([prompts[2]], _params("code"))[0].output_token_ids == _alone(
+    assert eng.generate([prompts[2]], _params("code"))[0].output_token_ids == peft_generate_alone(
         model, prompts[2], "code", 5
     )
     eng.check_invariants()
@@ -138,7 +128,7 @@ def test_lora_options_are_validated(tiny_model, option, value):
 def test_a_removed_adapter_finishes_its_requests_and_frees_its_slot(peft_model):
     model = peft_model()
     prompt = _prompts([8], seed=9)[0]
-    want = _alone(model, prompt, "chat", 6)
+    want = peft_generate_alone(model, prompt, "chat", 6)
     assert len(want) == 6  # no eos: the request is still running when the adapter goes
     eng = Engine(model, max_loras=2)
     running = eng.add_request(prompt, _params("chat", 6))
@@ -164,7 +154,7 @@ def test_a_removed_adapter_keeps_its_slot_for_waiting_requests(peft_model):
     # holds no row, yet its slot must stay (peft cannot give the weights again)
     model = peft_model()
     prompt = _prompts([8], seed=9)[0]
-    want = _alone(model, prompt, "chat", 6)
+    want = peft_generate_alone(model, prompt, "chat", 6)
     eng = Engine(model, max_num_seqs=1, scheduling_policy="priority", max_loras=2)
     first = eng.add_request(prompt, _params("chat", 6))
     eng.step()
@@ -177,7 +167,7 @@ def test_a_removed_adapter_keeps_its_slot_for_waiting_requests(peft_model):
         for o in eng.step():
             outs[o.request_id] = o.output_token_ids
     assert outs[first] == outs[waiting] == want
-    assert outs[other] == _alone(model, prompt, "math", 6)
+    assert outs[other] == peft_generate_alone(model, prompt, "math", 6)
     eng.generate([prompt], _params("math"))  # nobody runs it any more: its slot is freed
     assert set(eng.core.lora.slots.slot_of) == {"math"}
     eng.shutdown()
@@ -190,11 +180,11 @@ def test_an_adapter_replaced_under_its_name_is_copied_again(peft_model, lora_b):
     prompt = _prompts([10], seed=5)[0]
     eng = Engine(model)
     before = eng.generate([prompt], _params("code"))[0].output_token_ids
-    assert before == _alone(model, prompt, "code", 5)
+    assert before == peft_generate_alone(model, prompt, "code", 5)
     model.delete_adapter("code")
     model.add_adapter("code", LoraConfig(r=2, target_modules=["gate_proj", "v_proj"]))
     lora_b(model, "code")
-    want = _alone(model, prompt, "code", 5)
+    want = peft_generate_alone(model, prompt, "code", 5)
     assert want != before
     assert eng.generate([prompt], _params("code"))[0].output_token_ids == want
     eng.shutdown()
@@ -213,8 +203,8 @@ def test_an_adapter_loaded_later_may_target_any_projection(peft_model, lora_b):
     lora_b(model, "mlp")
     got = eng.generate([prompt, prompt], [_params("mlp"), _params("math")])
     assert [o.output_token_ids for o in got] == [
-        _alone(model, prompt, "mlp", 5),
-        _alone(model, prompt, "math", 5),
+        peft_generate_alone(model, prompt, "mlp", 5),
+        peft_generate_alone(model, prompt, "math", 5),
     ]
     eng.shutdown()
     # unfused: every LoRA layer (those peft added while fused too) wraps a plain Linear again
@@ -252,11 +242,11 @@ def test_engines_on_one_model_share_its_slots(peft_model):
     second = Engine(model, max_loras=5)  # the slots exist already: the first Engine's options
     assert second.config.max_loras == 2 and second.core.lora is first.core.lora
     for eng, name in ((first, "math"), (second, "code"), (second, None), (first, "chat")):
-        assert eng.generate([prompt], _params(name))[0].output_token_ids == _alone(
+        assert eng.generate([prompt], _params(name))[0].output_token_ids == peft_generate_alone(
             model, prompt, name, 5
         )
     first.shutdown()
-    assert second.generate([prompt], _params("math"))[0].output_token_ids == _alone(
+    assert second.generate([prompt], _params("math"))[0].output_token_ids == peft_generate_alone(
         model, prompt, "math", 5
     )
     second.shutdown()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
+from tests.conftest import count_small_batch_rows
 
 ENGINE = dict(attention_backend="triton", async_scheduling=False)
 
@@ -24,22 +25,6 @@ def _assert_same_logprobs(got, want) -> None:
             assert da.keys() == db.keys()
             for tok in da:
                 assert da[tok] == pytest.approx(db[tok], abs=1e-4)
-
-
-def _counting(eng):
-    """Count the forwards the small-batch path runs (and the rows it sees)."""
-    fast = eng.runner.forward.small_batch
-    seen = []
-
-    class Counting:
-        max_rows = fast.max_rows
-
-        def __call__(self, ids, pos, keep):
-            seen.append(ids.shape[0])
-            return fast(ids, pos, keep)
-
-    eng.runner.forward.small_batch = Counting()
-    return seen
 
 
 # llama; mistral with a sliding window shorter than the prompts; qwen2 with q/k/v biases; the
@@ -65,7 +50,7 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monk
     plain.shutdown()
     eng = Engine(model, small_batch_rows=8, **ENGINE)  # every row count the kernels take
     decode_calls.clear()  # the start-up check's one decode step (engine/verify.py) is not ours
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     got = eng.generate(prompts, params)
     eng.check_invariants()
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
@@ -125,7 +110,7 @@ def test_small_batch_forward_families_match_transformers_generate(
     )
     tables = eng.runner.forward.small_batch.cos_table is not None
     assert tables == (case in ("phi3",))  # the one-launch norm + q/k/v + RoPE where it applies
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     for batch in ([prompts[0]], [prompts[1]], prompts[1:]):  # 1 and 2 sequences
         seen.clear()
         outs = eng.generate(batch, params)
@@ -158,7 +143,7 @@ def test_rotary_tables_or_per_step_rotary(tiny_model, rope, tables):
     want = Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
     eng = Engine(model, small_batch_rows=8, **ENGINE)
     assert (eng.runner.forward.small_batch.cos_table is not None) == tables
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     got = eng.generate(prompts, params)
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     assert 3 in seen
@@ -173,7 +158,7 @@ def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
         for o in Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
     ]
     eng = Engine(model, small_batch_rows=2, **ENGINE)
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
     assert not seen  # 4-row decodes and 26-token prefills: none fit 2 rows
     got = [o.output_token_ids for o in eng.generate(prompts[:2], params)]
@@ -220,7 +205,7 @@ def test_default_runs_batch_1_and_2_fused(tiny_model):
     eng = Engine(tiny_model("llama"), **ENGINE)
     assert eng.runner.forward.small_batch.max_rows == 2
     assert eng.runner.forward.small_batch_status == "on (steps of <= 2 tokens)"  # CPU: no PDL
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     eng.generate(_prompts([4, 9]), SamplingParams(max_tokens=3, temperature=0))
     assert set(seen) == {2}  # the two decodes; the 13-token prefill ran transformers' forward
 
@@ -237,7 +222,7 @@ def test_warm_up_compiles_every_row_count_it_will_run(tiny_model, monkeypatch, r
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     eng = Engine(tiny_model("llama", num_hidden_layers=1), small_batch_rows=rows, **ENGINE)
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     r = eng.runner  # what a CUDA engine runs at start-up:
     warm_up_kernels(r.forward, r.kv_caches, r.backend, eng.config, r.device)
     assert set(seen) == warmed  # the kernels' power-of-2 row variants (3 rows: the 4-row one)
@@ -274,7 +259,7 @@ def test_lora_adapters_in_the_small_batch_forward(peft_model, tables, monkeypatc
     eng = Engine(model, small_batch_rows=8, **ENGINE)
     fast = eng.runner.forward.small_batch
     assert fast is not None and (fast.cos_table is not None) == tables
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     got = eng.generate(prompts, params)
     eng.check_invariants()
     assert 4 in seen  # the 4-row decode steps ran fused, with every adapter in them
@@ -311,7 +296,7 @@ def test_lora_adapters_on_families_in_the_small_batch_forward(tiny_model, lora_b
     plain.shutdown()
     eng = Engine(model, small_batch_rows=8, **ENGINE)
     assert eng.runner.forward.small_batch is not None
-    seen = _counting(eng)
+    seen = count_small_batch_rows(eng)
     got = eng.generate(prompts, params)
     assert 3 in seen  # the 3-row decode steps ran fused, with both adapters in them
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
