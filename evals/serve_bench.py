@@ -14,13 +14,16 @@ usage. batch1 runs one request at a time (batch-1 latency) on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import pstats
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from . import step_profile
 from .backends import BackendRun, RequestTiming, _check_lengths, run_paged
 from .errors import EvalError
 from .thread_clock import GcPauses, thread_cpu_s
@@ -54,6 +57,11 @@ def add_parser(sub, common) -> None:
         "--engine-process", choices=("off", "on", "both"), default="off",
         help="the server's engine in a process of its own (hf-paged serve --engine-process), "
         "which loads the model again; both: one server run of each kind, same workload",
+    )  # fmt: skip
+    p.add_argument(
+        "--cprofile", action="store_true",
+        help="profile Engine.step() offline and in the engine process (--engine-process on): "
+        "the top functions per step of each, to compare (evals/step_profile.py)",
     )  # fmt: skip
     p.add_argument("--url", default=None, help="a running server: clients only, no offline run")
     p.add_argument("--served-model-name", default=None, help="with --url: the model to ask for")
@@ -194,10 +202,11 @@ def child_loader(*load_args):
     return functools.partial(evals_call, "serve_bench", "child_model", *load_args)
 
 
-def _process_server_run(load, tokenizer, wl, clients: int, options: dict):
+def _process_server_run(load, tokenizer, wl, clients: int, options: dict, profile=None):
     """The server with its engine in a process of its own (hf-paged serve --engine-process):
     the engine process runs load() (picklable: child_loader) and warms up as the others do;
-    this process runs uvicorn and the front."""
+    this process runs uvicorn and the front. profile: a file for the engine process's step()
+    profile (step_profile.py), written when it exits."""
     import functools
 
     from hf_paged.entrypoints.api_server import build_app
@@ -209,10 +218,16 @@ def _process_server_run(load, tokenizer, wl, clients: int, options: dict):
 
     _give_back_device_memory()
     warm = [r.prompt_token_ids for r in wl.requests[:8]]
+    if profile is None:
+        setup = functools.partial(evals_call, "serve_bench", "warm_up", warm)
+    else:
+        setup = functools.partial(
+            evals_call, "step_profile", "profile_in_engine_process", profile, warm
+        )
     spec = EngineSpec(
         load,
         {**options, "max_num_seqs": clients},
-        functools.partial(evals_call, "serve_bench", "warm_up", warm),
+        setup,
     )
     with EngineProcess(spec, tokenizer, max_queued=len(wl.requests)) as front:
         app = build_app(front, "bench")
@@ -251,6 +266,22 @@ def _process_server_run(load, tokenizer, wl, clients: int, options: dict):
     run = BackendRun("server-proc", clients, timings, wall, extra=extra)
     _check_lengths(run, wl)  # every token of every request reached its client
     return run
+
+
+@contextlib.contextmanager
+def _profiled_engine_steps(profile):
+    """Every Engine's step() in this process profiled by `profile` inside (None: as is)."""
+    from hf_paged.engine.engine import Engine
+
+    if profile is None:
+        yield
+        return
+    step = Engine.step
+    Engine.step = profile.wrap(step)
+    try:
+        yield
+    finally:
+        Engine.step = step
 
 
 def _clients(url: str, model: str, wl, clients: int, api_key: str | None):
@@ -324,24 +355,37 @@ def cmd_serve_bench(args, save) -> int:
         wl: Workload = wl.limited(limit).with_max_new_tokens(max_new)
         clients = wl.max_concurrency or args.clients
         runs = []
+        profiles = []  # --cprofile: step() tables of this workload's runs
         if args.url:
             model_name = args.served_model_name or args.model
             timings, wall = _clients(args.url, model_name, wl, clients, args.api_key)
             runs.append(BackendRun("server", clients, timings, wall))
             _check_lengths(runs[-1], wl)
         else:
-            runs.append(run_paged(model, wl, clients, options, not args.no_progress))
+            offline_profile = step_profile.StepProfile() if args.cprofile else None
+            with _profiled_engine_steps(offline_profile):
+                runs.append(run_paged(model, wl, clients, options, not args.no_progress))
             runs[-1].backend = "offline"
+            if offline_profile is not None:
+                stats = pstats.Stats(offline_profile.profile)
+                profiles.append(step_profile.table("offline", stats, offline_profile.steps))
             if args.engine_process in ("off", "both"):
                 interval = args.stream_interval_ms
                 runs.append(_server_run(model, tokenizer, wl, clients, options, False, interval))
             if args.engine_process in ("on", "both"):
                 load = child_loader(*load_args)
-                runs.append(_process_server_run(load, tokenizer, wl, clients, options))
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = str(Path(tmp) / "engine-process.prof") if args.cprofile else None
+                    runs.append(_process_server_run(load, tokenizer, wl, clients, options, path))
+                    if path is not None:
+                        loaded = step_profile.load(path)
+                        profiles.append(step_profile.table("engine process", *loaded))
         ms = [metrics(r) for r in runs]
         results.append({"workload": wl.summary(), "clients": clients, "metrics": ms})
         rows.append((wl.summary(), ms))
         print(format_rows(desc, rows[-1:]), flush=True)
+        if profiles:
+            print("\n\n".join(profiles) + "\n", flush=True)
     table = format_rows(desc, rows)
     path = save(
         args.out,

@@ -4,6 +4,7 @@ offline engine side by side, and every request's tokens reach the clients."""
 from __future__ import annotations
 
 import json
+import re
 
 from hf_paged.testing import load_evals
 
@@ -75,3 +76,19 @@ def test_serve_bench_engine_process(tmp_path, capsys):
     assert 5 <= extra["num_steps"] and 1 <= extra["num_handoffs"]
     assert extra["step_s"] >= extra["step_cpu_s"] > 0
     assert extra["thread_cpu_s"]["engine"] >= extra["step_cpu_s"] * 0.9
+
+
+def test_serve_bench_cprofile_tables_for_both_sides(tmp_path, capsys):
+    """--cprofile: step()'s functions per step offline and in the engine process, whose profile
+    crosses back from the child when it exits."""
+    argv = ["serve-bench", "--model", "tiny", "--dataset", "synthetic", "--limit", "6"]
+    argv += ["--max-new-tokens", "5", "--clients", "4", "--out", str(tmp_path), "--no-progress"]
+    assert run.main([*argv, "--engine-process", "on", "--cprofile"]) == 0
+    out = capsys.readouterr().out
+    for side in ("offline", "engine process"):
+        head = re.search(rf"### step\(\) profile, {side}: (\d+) steps", out)
+        assert head is not None, out[-3000:]
+        assert int(head.group(1)) >= 5  # at least the 5 tokens' steps
+        table = out[head.end() :].split("###")[0]
+        rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "`" in ln]
+        assert len(rows) == 20, table  # step_profile.TOP functions by their own time
