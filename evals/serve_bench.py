@@ -368,7 +368,9 @@ def cmd_serve_bench(args, save) -> int:
             runs[-1].backend = "offline"
             if offline_profile is not None:
                 stats = pstats.Stats(offline_profile.profile)
-                profiles.append(step_profile.table("offline", stats, offline_profile.steps))
+                profiles.append(
+                    step_profile.table("step() profile, offline", stats, offline_profile.steps)
+                )
             if args.engine_process in ("off", "both"):
                 interval = args.stream_interval_ms
                 runs.append(_server_run(model, tokenizer, wl, clients, options, False, interval))
@@ -379,7 +381,9 @@ def cmd_serve_bench(args, save) -> int:
                     runs.append(_process_server_run(load, tokenizer, wl, clients, options, path))
                     if path is not None:
                         loaded = step_profile.load(path)
-                        profiles.append(step_profile.table("engine process", *loaded))
+                        profiles.append(
+                            step_profile.table("step() profile, engine process", *loaded)
+                        )
         ms = [metrics(r) for r in runs]
         results.append({"workload": wl.summary(), "clients": clients, "metrics": ms})
         rows.append((wl.summary(), ms))

@@ -14,8 +14,10 @@ is used), the second on what the first left there. Goals (the start-up issue): w
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import shutil
 import statistics
@@ -47,6 +49,11 @@ def add_parser(sub, common) -> None:
     )
     add_engine_option(p, "any Engine option, as `hf-paged serve` takes it; repeatable")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for each process")
+    p.add_argument(
+        "--cprofile", action="store_true",
+        help="Python's profile of each Engine(...) (its main thread): the top functions with "
+        "their callees, after the table",
+    )  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement
     p.set_defaults(run=cmd_startup)
 
@@ -72,6 +79,9 @@ def cmd_startup(args, save) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     table = format_table(results, str(folder) if keep else "a temporary folder")
     print(table)
+    for run in RUNS:  # --cprofile
+        if "profile" in results[run]:
+            print(f"\n({run} compile caches)\n{results[run]['profile']}")
     payload = {"argv": sys.argv, "options": dict(args.engine_option), "runs": results}
     path = save(args.out, f"startup-{time.strftime('%Y%m%d-%H%M%S')}", payload, table)
     print(f"\nresults: {path}")
@@ -84,6 +94,8 @@ def _child(args, folder: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "run.py"), "startup", "--child"]
     cmd += ["--model", args.model, "--dtype", args.dtype, "--device", args.device]
     cmd += ["--prompt-len", str(args.prompt_len), "--seed", str(args.seed)]
+    if args.cprofile:
+        cmd += ["--cprofile"]
     for key, value in args.engine_option:
         cmd += ["--engine-option", f"{key}={value!r}"]
     # the caches of this measurement only: a user's own cache folders would make "cold" warm
@@ -118,7 +130,12 @@ def measure(args) -> dict:
     device = next(loaded.model.parameters()).device
     _sync(device)
     load_s = time.perf_counter() - t0
+    profile = cProfile.Profile() if args.cprofile else None
+    if profile is not None:
+        profile.enable()
     engine = hf_paged.Engine(loaded.model, loaded.tokenizer, **dict(args.engine_option))
+    if profile is not None:
+        profile.disable()
     cfg = loaded.model.config.get_text_config()
     vocab = cfg.vocab_size
     length = min(args.prompt_len, engine.config.max_model_len - 1)
@@ -147,7 +164,14 @@ def measure(args) -> dict:
         "startup": engine.startup_stats,
         "first_ttft_s": first,
         "warm_ttft_s": warm,
+        **({} if profile is None else {"profile": _profile_table(profile)}),
     }
+
+
+def _profile_table(profile) -> str:
+    from .step_profile import table
+
+    return table("Engine(...) profile", pstats.Stats(profile), 1, "start-up", by="cumulative")
 
 
 def _sync(device) -> None:

@@ -1,5 +1,6 @@
 """serve-bench --cprofile: Python's profile of Engine.step() alone, offline and in the server's
-engine process, function by function per step.
+engine process, function by function per step (and the table startup --cprofile prints for one
+Engine construction).
 
 The engine process spends more time in step() per step than the offline engine on the same
 workload (H200, W1: 4.18 against 3.76 ms; on its CPU clock too, so it is not only waiting), with
@@ -57,23 +58,27 @@ def profile_in_engine_process(path: str, prompts: list[list[int]], engine) -> No
     warm_up(prompts, engine)
 
 
-def table(title: str, profile: pstats.Stats | None, steps: int) -> str:
-    """The TOP functions by own time: microseconds per step, own and with callees."""
-    if profile is None or not steps:
-        return f"### step() profile, {title}: none (the process left no profile)"
-    rows = sorted(profile.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:TOP]
+def table(
+    title: str, profile: pstats.Stats | None, count: int, unit: str = "step", by: str = "own"
+) -> str:
+    """The TOP functions by their own time (by="own") or with their callees ("cumulative"):
+    microseconds per `unit` (count of them: steps, or 1 for one start-up)."""
+    if profile is None or not count:
+        return f"### {title}: none (the process left no profile)"
+    key = 2 if by == "own" else 3  # pstats: (primitive calls, calls, own s, cumulative s, ...)
+    rows = sorted(profile.stats.items(), key=lambda kv: kv[1][key], reverse=True)[:TOP]
     total = sum(v[2] for v in profile.stats.values())
     lines = [
-        f"### step() profile, {title}: {steps} steps, {1e6 * total / steps:,.0f} us a step "
-        "under cProfile",
+        f"### {title}: {count} {unit}{'s' if count != 1 else ''}, {1e6 * total / count:,.0f} us "
+        f"a {unit} under cProfile",
         "",
-        "| own us/step | with callees us/step | calls/step | function |",
+        f"| own us/{unit} | with callees us/{unit} | calls/{unit} | function |",
         "|---|---|---|---|",
     ]
     for (file, line, name), (_, calls, own, cum, _) in rows:
         where = f"{Path(file).name}:{line}({name})" if line else name
         lines.append(
-            f"| {1e6 * own / steps:,.1f} | {1e6 * cum / steps:,.1f} | {calls / steps:.1f} "
+            f"| {1e6 * own / count:,.1f} | {1e6 * cum / count:,.1f} | {calls / count:.1f} "
             f"| `{where}` |"
         )
     return "\n".join(lines)

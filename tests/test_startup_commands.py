@@ -73,3 +73,17 @@ def test_evals_startup_runs_cold_then_warm_processes(model_dir, tmp_path, capsys
     (cache / "stale").write_text("x")
     assert run.main([*argv, "--out", str(tmp_path), "--cache-dir", str(cache)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_evals_startup_cprofile_prints_each_process_profile(model_dir, tmp_path, capsys):
+    """--cprofile: each process's Engine(...) under cProfile, the top functions with callees,
+    Engine's own __init__ among them (it holds all the rest)."""
+    run = load_evals()
+    argv = ["startup", "--model", str(model_dir), "--device", "cpu", "--prompt-len", "16"]
+    assert run.main([*argv, "--out", str(tmp_path), "--cprofile"]) == 0
+    out = capsys.readouterr().out
+    for run_name in ("cold", "warm"):
+        head = f"({run_name} compile caches)\n### Engine(...) profile: 1 start-up, "
+        assert head in out, out[-2000:]
+        table = out[out.index(head) :].split("\n\n(")[0]
+        assert "engine.py" in table and "(__init__)" in table, table
