@@ -14,9 +14,7 @@ usage. batch1 runs one request at a time (batch-1 latency) on both sides.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -268,22 +266,6 @@ def _process_server_run(load, tokenizer, wl, clients: int, options: dict, profil
     return run
 
 
-@contextlib.contextmanager
-def _profiled_engine_steps(profile):
-    """Every Engine's step() in this process profiled by `profile` inside (None: as is)."""
-    from hf_paged.engine.engine import Engine
-
-    if profile is None:
-        yield
-        return
-    step = Engine.step
-    Engine.step = profile.wrap(step)
-    try:
-        yield
-    finally:
-        Engine.step = step
-
-
 def _clients(url: str, model: str, wl, clients: int, api_key: str | None):
     with tempfile.TemporaryDirectory() as tmp:
         wl.save(Path(tmp) / "workload.json")
@@ -363,14 +345,11 @@ def cmd_serve_bench(args, save) -> int:
             _check_lengths(runs[-1], wl)
         else:
             offline_profile = step_profile.StepProfile() if args.cprofile else None
-            with _profiled_engine_steps(offline_profile):
+            with step_profile.profiled_engine_steps(offline_profile):
                 runs.append(run_paged(model, wl, clients, options, not args.no_progress))
             runs[-1].backend = "offline"
             if offline_profile is not None:
-                stats = pstats.Stats(offline_profile.profile)
-                profiles.append(
-                    step_profile.table("step() profile, offline", stats, offline_profile.steps)
-                )
+                profiles.append(offline_profile.table("step() profile, offline"))
             if args.engine_process in ("off", "both"):
                 interval = args.stream_interval_ms
                 runs.append(_server_run(model, tokenizer, wl, clients, options, False, interval))

@@ -15,12 +15,13 @@ the warm-up's steps are counted in both.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import cProfile
 import json
 import pstats
 from pathlib import Path
 
-TOP = 20  # functions a table lists, by their own time
+TOP = 20  # functions a table lists
 
 
 class StepProfile:
@@ -41,10 +42,29 @@ class StepProfile:
 
         return profiled
 
+    def table(self, title: str) -> str:
+        return table(title, pstats.Stats(self.profile), self.steps)
+
     def dump(self, path: str) -> None:
         """The stats to `path`, the number of steps to `path`.json."""
         self.profile.dump_stats(path)
         Path(path + ".json").write_text(json.dumps({"steps": self.steps}))
+
+
+@contextlib.contextmanager
+def profiled_engine_steps(profile: StepProfile | None):
+    """Inside: every Engine's step() in this process profiled by `profile` (None: as is)."""
+    from hf_paged.engine.engine import Engine
+
+    if profile is None:
+        yield
+        return
+    step = Engine.step
+    Engine.step = profile.wrap(step)
+    try:
+        yield
+    finally:
+        Engine.step = step
 
 
 def profile_in_engine_process(path: str, prompts: list[list[int]], engine) -> None:
