@@ -54,7 +54,10 @@ def _attend(
     return _accumulate_pv(acc, p, v, DOT_PRECISION, DOT_UPCAST), l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_wo_t", "stride_wo_h", "stride_wl_t"])
+# the block table's row stride varies by step as in kernels/paged_attention_kernel.py
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_bt_s", "stride_wo_t", "stride_wo_h", "stride_wl_t"]
+)
 def _decode_attention_kernel(
     out_ptr,  # [T, Hq, Dv]
     ws_o_ptr,  # f32 [T, Hq, num_splits, HEAD_DIM_V_PAD] (SPLIT only)

@@ -129,12 +129,16 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 # Per-step integers are not specialised: Triton would otherwise compile a new variant whenever one
 # of them changes between 1, a multiple of 16 and anything else, which mid-run costs ~1 s a time.
+# The block table's row stride is one of them: an eager step's table is as wide as its longest
+# sequence needs, a graph's as wide as max_model_len, the start-up check's and warm-up's as their
+# few blocks.
 @triton.jit(
     do_not_specialize=[
         "num_seqs",
         "num_tokens",
         "num_tile_programs",
         "num_splits",
+        "stride_bt_s",
         "stride_wo_t",
         "stride_wo_h",
         "stride_wl_t",

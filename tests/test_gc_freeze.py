@@ -6,6 +6,7 @@ collector are left alone."""
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 
@@ -71,3 +72,47 @@ def test_nested_callers_freeze_and_disabled_collector_left_alone(engine, monkeyp
     finally:
         gc.enable()
     assert counts and max(counts) == 0
+
+
+def _in_build() -> bool:
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_build" and "engine.py" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_start_up_runs_no_collection_then_one_young_pass(tiny_model):
+    """Engine(...) builds with the collector off (compile's objects set off full collections that
+    scan the whole heap) and runs one young-generation pass after; the collector is on again
+    after, also when the start-up fails, and one the caller turned off stays off. A threshold of
+    1 would otherwise collect at nearly every allocation inside the build."""
+    model = tiny_model("llama")
+    seen: list[tuple[int, bool]] = []
+
+    def record(phase, info):
+        if phase == "start":
+            seen.append((info["generation"], _in_build()))
+
+    old = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(1, 1, 1)
+    try:
+        Engine(model, attention_backend="torch").shutdown()
+        assert seen and not any(inside for _, inside in seen)
+        assert gc.isenabled()
+        seen.clear()
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            Engine(model, attention_backend="torch", max_num_seqs=0)
+        assert gc.isenabled() and not any(inside for _, inside in seen)
+        gc.disable()
+        seen.clear()
+        try:
+            Engine(model, attention_backend="torch").shutdown()
+            assert not gc.isenabled() and seen == []
+        finally:
+            gc.enable()
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(record)

@@ -75,8 +75,11 @@ def main() -> None:
     def after(*, key, repr, fn, **_):
         t0 = started.pop(id(key), None)
         if t0 is not None:
+            # repr names each argument's specialisation on some Triton versions only; the key
+            # always holds it (the signature with its 1 / multiple-of-16 marks, the constexprs)
+            spec = f"{repr} key={key}"
             compiles.append(
-                (phase_now[-1], getattr(fn, "name", str(fn)), time.perf_counter() - t0, repr)
+                (phase_now[-1], getattr(fn, "name", str(fn)), time.perf_counter() - t0, spec)
             )
         return False
 
@@ -103,7 +106,7 @@ def main() -> None:
             print(f"  {len(v):4d} x  {sum(v):6.2f}s  {name}")
     print(f"\nthe {args.top} slowest compiles:")
     for ph, name, secs, spec in sorted(compiles, key=lambda c: -c[2])[: args.top]:
-        print(f"  {secs:5.2f}s  {ph:15s} {spec[:400]}")
+        print(f"  {secs:5.2f}s  {ph:15s} {spec[:1500]}")
     engine.shutdown()
 
 

@@ -24,7 +24,7 @@ from hf_paged.engine.input_processor import InputProcessor
 from hf_paged.engine.output_processor import make_output
 from hf_paged.engine.stream import RequestStream, StreamRouter
 from hf_paged.engine.verify import verify_model
-from hf_paged.gc_freeze import frozen_heap
+from hf_paged.gc_freeze import collections_paused, frozen_heap
 from hf_paged.integrations.fused_projections import fuse_projections
 from hf_paged.lora import routing as lora
 from hf_paged.quantization.fp8_weights import check_quantizable, quantize_model
@@ -67,7 +67,8 @@ class Engine:
         self._stepping = self._closed = False
         self._lease = enable_paged_attention(model, self)
         try:
-            self._build(model, config, startup)
+            with collections_paused():  # compile's objects would set off full collections
+                self._build(model, config, startup)
         except BaseException:  # bad options found late: the model goes back as it came
             if getattr(self, "runner", None) is not None:  # compiled layers undone first
                 self.runner.shutdown()

@@ -260,18 +260,18 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.runner.device)
 
     @torch.inference_mode()
-    def capture(self, warm_ups: int = 2) -> None:
+    def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool (mixed
         steps first: their activations are the largest). The static buffers hold padding values
-        during capture (slot -1, empty sequences): nothing is written. warm_ups: eager forwards
-        of a bucket before its capture (autotuning, lazy init, compilation); one where
-        forward_each_bucket() ran the first."""
+        during capture (slot -1, empty sequences): nothing is written. One eager forward of a
+        bucket before its capture does what must not happen inside one (lazy initialisation,
+        cuBLAS workspaces, a Triton variant's first launch); a second one, as the capture ran
+        before, cost the Llama-3-8B shape's start-up ~1 s on the H200 and changed nothing."""
         if self.eager:
             return
         for kind, size in self._order():
             self.inputs.reset_padding((kind, size))
-            for _ in range(warm_ups):
-                self._forward(kind, size)
+            self._forward(kind, size)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

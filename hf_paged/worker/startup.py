@@ -261,7 +261,6 @@ def capture_graphs(runner, config: EngineConfig, times: StartupTimes):
 
         with times.phase("graph_capture"):  # its static buffers, pinned twins included
             graphs = CudaGraphRunner(runner)
-    recorded = False  # the graph buckets' first forward ran, recording
     marker = None  # where a start-up that compiled ahead leaves its mark
     if device.type == "cuda" and runner.backend.name == "triton":
         warm_up = partial(
@@ -276,14 +275,13 @@ def capture_graphs(runner, config: EngineConfig, times: StartupTimes):
             if marker is not None:
                 with ahead.recording():
                     warm_up()
-                    if graphs is not None:  # in place of the first of its two warm-ups
+                    if graphs is not None:
                         graphs.forward_each_bucket()
-                        recorded = True
                 ahead.compile()
             warm_up()  # loads the compiled variants; compiles any that failed ahead
     if graphs is not None:
         with times.phase("graph_capture"):
-            graphs.capture(warm_ups=1 if recorded else 2)
+            graphs.capture()
         times.decode_graphs, times.mixed_graphs = len(graphs.buckets), len(graphs.token_buckets)
     if marker is not None:
         _leave(marker)
