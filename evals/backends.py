@@ -175,6 +175,9 @@ def run_paged(
             "fuse_projections": engine.config.fuse_projections,
             "small_batch_forward": engine.runner.forward.small_batch_status,
             "startup_s": startup_s,
+            # the cache's capacity: FP8 caches hold twice the tokens of bf16 ones
+            "kv_cache_dtype": str(engine.runner.kv_spec.dtype).removeprefix("torch."),
+            "kv_tokens": engine.kv.num_blocks * engine.config.block_size,
             # seconds per start-up phase (hf_paged/worker/startup_times.py)
             "startup": getattr(engine, "startup_stats", None),
         }

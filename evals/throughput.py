@@ -232,6 +232,11 @@ def format_table(result: dict, model_desc: str) -> str:
                 # absent in results saved before the small-batch forward
                 f"small-batch forward {eng.get('small_batch_forward', 'off')}, "
                 f"engine start-up {eng['startup_s']:.1f} s"
+                + (  # absent in results saved before it was recorded
+                    f", KV cache {eng['kv_tokens']:,} tokens ({eng['kv_cache_dtype']})"
+                    if "kv_tokens" in eng
+                    else ""
+                )
             )
             if eng.get("startup"):  # absent in results saved before the breakdown
                 from hf_paged.worker.startup_times import format_startup

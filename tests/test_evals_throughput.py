@@ -49,6 +49,9 @@ def test_throughput_all_backends_side_by_side(tmp_path, capsys):
     [path] = tmp_path.glob("throughput-*.json")
     [result] = json.loads(path.read_text())["results"]
     assert [r["metrics"]["backend"] for r in result["runs"]] == ["paged", "hf", "hf-cb"]
+    engine = result["runs"][0]["metrics"]["extra"]["engine"]  # the cache's capacity, reported
+    assert engine["kv_cache_dtype"] == "float32" and engine["kv_tokens"] > 0
+    assert f"KV cache {engine['kv_tokens']:,} tokens (float32)" in out
     for r in result["runs"]:
         assert [t["output_len"] for t in r["timings"]] == [4, 4]
         assert all(0 <= t["first_token"] <= t["finish"] for t in r["timings"])
