@@ -85,6 +85,10 @@ class _restore_attention:
 
 
 def _check_lengths(run: BackendRun, wl: Workload) -> None:
+    # the prompts too: row i of the timings is the workload's request i (merged in order)
+    order = [t.prompt_len for t in run.timings] == [len(r.prompt_token_ids) for r in wl.requests]
+    if not order:
+        raise EvalError(f"backend {run.backend}'s timings do not follow the workload's requests")
     bad = [
         (t.output_len, r.max_new_tokens)
         for t, r in zip(run.timings, wl.requests)

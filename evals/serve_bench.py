@@ -61,6 +61,11 @@ def add_parser(sub, common) -> None:
         help="profile Engine.step() offline and in the engine process (--engine-process on): "
         "the top functions per step of each, to compare (evals/step_profile.py)",
     )  # fmt: skip
+    p.add_argument(
+        "--client-processes", type=int, default=1,
+        help="load-generator processes sharing the clients (one parses every stream's events "
+        "and can saturate; each one's CPU seconds are reported)",
+    )  # fmt: skip
     p.add_argument("--url", default=None, help="a running server: clients only, no offline run")
     p.add_argument("--served-model-name", default=None, help="with --url: the model to ask for")
     p.add_argument("--api-key", default=None, help="with --url")
@@ -99,8 +104,9 @@ def tiny_model():
 
 
 def _server_run(
-    model, tokenizer, wl, clients: int, options: dict, progress: bool, interval_ms=None
-) -> BackendRun:
+    model, tokenizer, wl, clients: int, options: dict, progress: bool, interval_ms=None,
+    client_processes: int = 1,
+) -> BackendRun:  # fmt: skip
     from hf_paged import SamplingParams
     from hf_paged.engine.engine import Engine
     from hf_paged.entrypoints.api_server import build_app
@@ -120,7 +126,9 @@ def _server_run(
         with frozen_heap(), ServerThread(app) as server, GcPauses() as gc_pauses:
             threads = {"engine": front._thread, "loop": server.thread}
             cpu0 = {k: thread_cpu_s(t) for k, t in threads.items()}
-            timings, wall = _clients(server.url, "bench", wl, clients, None)
+            timings, wall, client_cpu = _clients(
+                server.url, "bench", wl, clients, None, client_processes
+            )
             cpu = {k: thread_cpu_s(t) - cpu0[k] for k, t in threads.items()}
         stats = engine.stats()
     finally:
@@ -137,6 +145,7 @@ def _server_run(
         "arrivals": _arrivals(front.first_submit, front.last_submit),
         "thread_cpu_s": cpu,  # CPU seconds of the engine loop thread and the event loop
         "gc": gc_pauses.as_dict(),
+        "client_cpu_s": client_cpu,  # each load-generator process's CPU seconds
     }
     run = BackendRun("server", clients, timings, wall, extra=extra)
     _check_lengths(run, wl)  # every token of every request reached its client
@@ -200,7 +209,9 @@ def child_loader(*load_args):
     return functools.partial(evals_call, "serve_bench", "child_model", *load_args)
 
 
-def _process_server_run(load, tokenizer, wl, clients: int, options: dict, profile=None):
+def _process_server_run(
+    load, tokenizer, wl, clients: int, options: dict, profile=None, client_processes: int = 1
+):
     """The server with its engine in a process of its own (hf-paged serve --engine-process):
     the engine process runs load() (picklable: child_loader) and warms up as the others do;
     this process runs uvicorn and the front. profile: a file for the engine process's step()
@@ -232,7 +243,9 @@ def _process_server_run(load, tokenizer, wl, clients: int, options: dict, profil
         with frozen_heap(), ServerThread(app) as server, GcPauses() as gc_pauses:
             before = front.call("stats")["loop"]
             loop0 = thread_cpu_s(server.thread)
-            timings, wall = _clients(server.url, "bench", wl, clients, None)
+            timings, wall, client_cpu = _clients(
+                server.url, "bench", wl, clients, None, client_processes
+            )
             loop_cpu = thread_cpu_s(server.thread) - loop0
             stats = front.call("stats")
     after = stats.pop("loop")
@@ -260,25 +273,29 @@ def _process_server_run(load, tokenizer, wl, clients: int, options: dict, profil
         ),
         "gc": gc_pauses.as_dict(),  # this process's (the engine process has its own)
         "engine_process": True,
+        "client_cpu_s": client_cpu,
     }
     run = BackendRun("server-proc", clients, timings, wall, extra=extra)
     _check_lengths(run, wl)  # every token of every request reached its client
     return run
 
 
-def _clients(url: str, model: str, wl, clients: int, api_key: str | None):
+def _clients(url: str, model: str, wl, clients: int, api_key: str | None, processes: int = 1):
+    """The load generator (serve_client.py) in `processes` processes of its own: each request's
+    timings, the wall time, and each process's CPU seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         wl.save(Path(tmp) / "workload.json")
         cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", model]
         cmd += ["--workload", str(Path(tmp) / "workload.json"), "--clients", str(clients)]
         cmd += ["--out", str(Path(tmp) / "timings.json")]
+        cmd += ["--processes", str(min(processes, clients))]  # batch 1 runs one client
         if api_key:
             cmd += ["--api-key", api_key]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise EvalError(f"the clients failed: {done.stderr.strip()[-2000:]}")
         data = json.loads((Path(tmp) / "timings.json").read_text())
-    return [RequestTiming(**t) for t in data["timings"]], data["wall_s"]
+    return [RequestTiming(**t) for t in data["timings"]], data["wall_s"], data["cpu_s"]
 
 
 def _options(pairs: list[str]) -> dict:
@@ -298,6 +315,8 @@ def cmd_serve_bench(args, save) -> int:
     for name in names:
         check_workload_name(name)
     options = _options(args.engine_option)
+    if args.client_processes < 1:
+        raise EvalError(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.model == "tiny" or (args.model == "auto" and args.device in ("auto", "cpu")):
         import torch
 
@@ -340,8 +359,11 @@ def cmd_serve_bench(args, save) -> int:
         profiles = []  # --cprofile: step() tables of this workload's runs
         if args.url:
             model_name = args.served_model_name or args.model
-            timings, wall = _clients(args.url, model_name, wl, clients, args.api_key)
+            timings, wall, client_cpu = _clients(
+                args.url, model_name, wl, clients, args.api_key, args.client_processes
+            )
             runs.append(BackendRun("server", clients, timings, wall))
+            runs[-1].extra["client_cpu_s"] = client_cpu
             _check_lengths(runs[-1], wl)
         else:
             offline_profile = step_profile.StepProfile() if args.cprofile else None
@@ -352,12 +374,14 @@ def cmd_serve_bench(args, save) -> int:
                 profiles.append(offline_profile.table("step() profile, offline"))
             if args.engine_process in ("off", "both"):
                 interval = args.stream_interval_ms
-                runs.append(_server_run(model, tokenizer, wl, clients, options, False, interval))
+                run_args = (model, tokenizer, wl, clients, options, False, interval)
+                runs.append(_server_run(*run_args, args.client_processes))
             if args.engine_process in ("on", "both"):
                 load = child_loader(*load_args)
                 with tempfile.TemporaryDirectory() as tmp:
                     path = str(Path(tmp) / "engine-process.prof") if args.cprofile else None
-                    runs.append(_process_server_run(load, tokenizer, wl, clients, options, path))
+                    run_args = (load, tokenizer, wl, clients, options, path)
+                    runs.append(_process_server_run(*run_args, args.client_processes))
                     if path is not None:
                         loaded = step_profile.load(path)
                         profiles.append(
@@ -441,6 +465,12 @@ def _engine_line(off: dict, srv: dict) -> str:
         line += f"; engine process's loop waited {s['engine_run_delay_s']:.2f} s for a core"
     if "gc" in o and "gc" in s:
         line += f"; GC pauses: offline {_gc(o['gc'])}, {srv['backend']} {_gc(s['gc'])}"
+    if s.get("client_cpu_s"):  # a load generator near 100% of a core is what limited the run
+        cpu = s["client_cpu_s"]
+        line += (
+            f"; load generator: {len(cpu)} process{'es' if len(cpu) > 1 else ''}, the busiest "
+            f"{max(cpu):.2f} s CPU in the {srv['wall_s']:.2f} s run"
+        )
     return line
 
 

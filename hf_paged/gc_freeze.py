@@ -19,8 +19,9 @@ when the collector is off.
 and code generation make hundreds of thousands of objects, and each full collection they set off
 scans the whole heap. On the H200's host a TinyLlama-1.1B start-up spent 2.4 s of its 27 s in
 collections with empty compile caches (4 full ones, ~0.5 s each) and 0.65 s with warm ones
-(evals/RESULTS.md, engine start-up). On the way out one young-generation collection runs (part of the start-up's time, not the
-first request's); the start-up's cyclic garbage waits for the next full collection.
+(evals/RESULTS.md, engine start-up). On the way out one young-generation collection runs (part
+of the start-up's time, not the first request's); the start-up's cyclic garbage waits for the
+next full collection.
 """
 
 from __future__ import annotations

@@ -47,6 +47,28 @@ def test_serve_bench_tiny(tmp_path, capsys):
             assert set(side["gc"]) == {"by_thread", "full"}
     assert out.count("- engine: offline") == 2
     assert out.count("; GC pauses: offline ") == 2 and "; CPU s: engine thread " in out
+    assert out.count("; load generator: 1 process, the busiest ") == 2
+    assert all(len(r["metrics"][1]["extra"]["client_cpu_s"]) == 1 for r in results)
+
+
+def test_serve_bench_clients_in_several_processes(tmp_path, capsys):
+    """--client-processes 3: the requests and the clients split round-robin over three load
+    generator processes starting together (batch 1's one client: one process); every request's
+    row back in the workload's order (_check_lengths compares each row's prompt length), each
+    process's CPU seconds reported."""
+    argv = ["serve-bench", "--model", "tiny", "--dataset", "synthetic", "--limit", "7"]
+    argv += ["--max-new-tokens", "4", "--clients", "4", "--out", str(tmp_path), "--no-progress"]
+    assert run.main([*argv, "--client-processes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "; load generator: 3 processes, the busiest " in out
+    (path,) = tmp_path.glob("serve-bench-*.json")
+    (result,) = json.loads(path.read_text())["results"]
+    server = {m["backend"]: m for m in result["metrics"]}["server"]
+    assert server["num_requests"] == 7 and server["output_tok_s"] > 0
+    cpu = server["extra"]["client_cpu_s"]
+    assert len(cpu) == 3 and all(c > 0 for c in cpu)
+    assert run.main([*argv, "--client-processes", "0"]) == 2
+    assert "--client-processes must be >= 1" in capsys.readouterr().err
 
 
 def test_serve_bench_bad_engine_option(tmp_path, capsys):

@@ -74,8 +74,7 @@ class Engine:
                 self.runner.shutdown()
             self._release_model()
             raise
-        # seconds per start-up phase, total_s, graph counts (worker/startup_times.py)
-        self.startup_stats = startup.finish()
+        self.startup_stats = startup.finish()  # seconds per phase, graphs (startup_times.py)
         logger.info("hf_paged: %s", format_startup(self.startup_stats))
 
     def _build(self, model: torch.nn.Module, config: EngineConfig, startup: StartupTimes) -> None:
