@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F401 (re-exported)
+from .gemv_tiles import tile_config
 from .kv_write import check_launchable, interpreting
 from .lora_epilogue import LoraEpilogue, lora_delta, lora_launch_args
 
@@ -74,37 +75,66 @@ def load_weights(ptrs, mask):
 
 
 @triton.jit
-def apply_block_scales(
-    w, s_ptr, offs_n, n_mask, stride_sn, stride_sk, K: tl.constexpr, K_PAD: tl.constexpr
-):  # fmt: skip
-    # FP8 weights (hf_paged/quantization/fp8_weights.py): w [ROWS, K_PAD] as float32 times its
-    # rows' scales, one per 128-column block. The tile is split into its blocks and each
-    # block's scale broadcast over it, so a program loads ROWS x K / 128 scales, not one per
-    # weight.
+def load_weight_tile(ptrs, mask, SCALED: tl.constexpr):
+    # 2-byte weights are converted to float32 at the load. FP8 weights (SCALED) stay float8 in
+    # registers, four to a register, and are converted where weight_dot uses them: a thread
+    # then holds 4x the weights a register budget allows as float32, so a program keeps more
+    # of the HBM stream in flight (tile_config gives FP8 tiles 256 weights a thread). H200,
+    # Llama-3-8B shape, batch 1, 8 layers a projection in one graph (2026-12-03): gate/up
+    # 29.5 us (3.98 TB/s) against 37.9 for the best float32-at-load tile and 42.7 for the
+    # float32-at-load default; q/k/v 8.6 against 10.0, o 6.0 against 6.1, down 18.4 against
+    # 19.3. Decoding the codes by moving bits (two integer ops a weight) instead of the
+    # hardware conversion was slower at every projection (gate/up 50.5 us at its best tile).
+    w = load_weights(ptrs, mask)
+    if not SCALED:
+        w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def load_block_scales(s_ptr, offs_n, n_mask, stride_sn, stride_sk, K: tl.constexpr,
+                      K_PAD: tl.constexpr):  # fmt: skip
+    # FP8 weights (hf_paged/quantization/fp8_weights.py): the float32 scales of rows offs_n,
+    # one per 128-column block: [ROWS, K_PAD / 128] (padding blocks 0)
     BLOCK: tl.constexpr = 128 if K_PAD >= 128 else K_PAD
     NUM_BLOCKS: tl.constexpr = K_PAD // BLOCK
     offs_b = tl.arange(0, NUM_BLOCKS)
     s_mask = n_mask[:, None] & (offs_b < (K + 127) // 128)[None, :]
     s_offs = offs_n.to(tl.int64)[:, None] * stride_sn + offs_b[None, :] * stride_sk
-    s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
-    w3 = tl.reshape(w, [w.shape[0], NUM_BLOCKS, BLOCK]) * s[:, :, None]
-    return tl.reshape(w3, [w.shape[0], K_PAD])
+    return tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
+
+
+@triton.jit
+def weight_dot(w, x, s, SCALED: tl.constexpr, K_PAD: tl.constexpr):
+    # sum over k of w[n, k] * x[k]: [ROWS] in float32. FP8 weights: each 128-column block's
+    # partial sum of codes * x, times the block's scale s [ROWS, K_PAD / 128] (one multiply a
+    # block, not a weight; the same sum as scaling each weight, up to float32 rounding)
+    if SCALED:
+        BLOCK: tl.constexpr = 128 if K_PAD >= 128 else K_PAD
+        NUM_BLOCKS: tl.constexpr = K_PAD // BLOCK
+        p = tl.reshape(w.to(tl.float32) * x[None, :], [w.shape[0], NUM_BLOCKS, BLOCK])
+        y = tl.sum(tl.sum(p, axis=2) * s, axis=1)
+    else:
+        y = tl.sum(w * x[None, :], axis=1)
+    return y
 
 
 @triton.jit
 def _weight_tile(
-    w_ptr, stride_wn, offs_n, offs_k, mask, K: tl.constexpr, ROWS_I32: tl.constexpr
+    w_ptr, stride_wn, offs_n, offs_k, mask, K: tl.constexpr, ROWS_I32: tl.constexpr,
+    SCALED: tl.constexpr,
 ):  # fmt: skip
     # rows back to back and under 2^31 elements (ROWS_I32): 32-bit offsets with K's stride
-    # known; otherwise 64-bit offsets by the runtime row stride. The fp32 conversion sits here,
-    # right after the load, on purpose: converting at each row's use instead (fewer registers
-    # at 2+ rows) compiled to a schedule 3% slower at 1 row and slower at 2 (H200, 1.1B shape,
-    # 2026-11-30).
+    # known; otherwise 64-bit offsets by the runtime row stride. A 2-byte weight's fp32
+    # conversion sits here, right after the load, on purpose: converting at each row's use
+    # instead (fewer registers at 2+ rows) compiled to a schedule 3% slower at 1 row and slower
+    # at 2 (H200, 1.1B shape, 2026-11-30). FP8 weights are the other way round
+    # (load_weight_tile says why).
     if ROWS_I32:
         offs = offs_n[:, None] * K + offs_k[None, :]
     else:
         offs = offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    return load_weights(w_ptr + offs, mask).to(tl.float32)
+    return load_weight_tile(w_ptr + offs, mask, SCALED)
 
 
 @triton.jit(do_not_specialize=["M", "stride_lss"])
@@ -178,13 +208,15 @@ def _fused_gemv_kernel(
     n_mask = offs_n < N
     k_mask = offs_k < K
     tile_mask = n_mask[:, None] & k_mask[None, :]
-    w = _weight_tile(w_ptr, stride_wn, offs_n, offs_k, tile_mask, K, ROWS_I32)
+    w = _weight_tile(w_ptr, stride_wn, offs_n, offs_k, tile_mask, K, ROWS_I32, SCALED)
+    ws = 1.0  # FP8 weights: the rows' block scales
+    w2s = 1.0
     if GATED:
-        w2 = _weight_tile(w2_ptr, stride_w2n, offs_n, offs_k, tile_mask, K, ROWS_I32)
+        w2 = _weight_tile(w2_ptr, stride_w2n, offs_n, offs_k, tile_mask, K, ROWS_I32, SCALED)
     if SCALED:
-        w = apply_block_scales(w, ws_ptr, offs_n, n_mask, stride_wsn, stride_wsk, K, K_PAD)
+        ws = load_block_scales(ws_ptr, offs_n, n_mask, stride_wsn, stride_wsk, K, K_PAD)
         if GATED:
-            w2 = apply_block_scales(w2, w2s_ptr, offs_n, n_mask, stride_w2sn, stride_w2sk, K, K_PAD)
+            w2s = load_block_scales(w2s_ptr, offs_n, n_mask, stride_w2sn, stride_w2sk, K, K_PAD)
     if NORM:
         g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -216,7 +248,7 @@ def _fused_gemv_kernel(
                 if NORM_OUT:  # every program normalised the row: the first one writes it
                     if pid == 0:
                         tl.store(no_ptr + m * stride_nom + offs_k, x.to(dt), mask=k_mask)
-            y = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
+            y = weight_dot(w, x, ws, SCALED, K_PAD)  # [BLOCK_N]
             if HAS_BIAS:
                 y += bias
             if LORA_SLICES:
@@ -250,7 +282,7 @@ def _fused_gemv_kernel(
                 else:
                     act = gate / (1.0 + tl.exp(-gate))
                 act = act.to(dt).to(tl.float32)
-                up = tl.sum(w2 * x[None, :], axis=1).to(dt).to(tl.float32)
+                up = weight_dot(w2, x, w2s, SCALED, K_PAD).to(dt).to(tl.float32)
                 if LORA_SLICES:
                     up = tl.where(adapted, (up + d2).to(dt).to(tl.float32), up)
                 y = act * up
@@ -289,48 +321,6 @@ def _row_inputs(x_ptr, rows_ptr, r_ptr, m: tl.constexpr, M, stride_xm, stride_rm
     else:
         res = x  # unused
     return x, res
-
-
-# Per-thread registers for the weight tile(s): at most this many elements.
-_ELEMS_PER_THREAD = 64
-_MAX_WARPS = 16
-# weights this large take at most 8 warps a program where a tile fits (tile_config says why)
-_LONG_GEMV_BYTES = 64 << 20
-
-
-def tile_config(k: int, gated: bool, weight_bytes: int = 0, itemsize: int = 2) -> dict | None:
-    """BLOCK_N and warps so a program's [BLOCK_N, K] weight tile(s) fit in registers (H200,
-    2026-11-29: BLOCK_N 4 at K 2048); None if even one row does not (K above 32768, or 16384
-    gated: no model the small-batch forward takes).
-
-    Where the weights are _LONG_GEMV_BYTES or more, fewer rows a program come before more warps
-    (at most 8 warps where that fits). H200 (2026-11-30): a long launch streams
-    K 14336 at 4.36 TB/s with BLOCK_N 1 x 8 warps against 3.82 with 2 x 16, and K 5632 at 4.31
-    against 3.11; Llama-3-8B batch 1 (gate/up 235 MB, down 117 MB) 231 against 226 tok/s. But
-    the 1.1B shape's 23 MB down projection, a short launch between PDL waits, is slower that way
-    (1,271-1,277 against 1,300-1,304 tok/s): its wider tile stays.
-
-    A short, un-gated GEMV with K in (4096, 8192] and 2-byte weights takes 8 rows x 8 warps
-    instead, so that all of it is in flight at once. Compiled for sm_90, the 1.1B down
-    projection's 4 rows x 16 warps (58 registers) runs 2 programs a SM, 88 KB of weights in
-    flight a SM, so its 512 programs come in 2 waves, and HBM idles while the first wave
-    computes and exits; 8 x 8 (128 registers, no spills) also runs 2 a SM but with 176 KB in
-    flight: its 256 programs are one wave. H200 (2026-11-30): the 1.1B batch 1 1,347-1,354
-    tok/s against 1,322-1,336, interleaved in one call; the profiler's critical path (gate/up
-    + down) 18.6 us a layer against 19.9 (evals/profiling/engine_bench.py --kernels). (At 2-8
-    rows both tiles run one program a SM, 88 against 44 KB in flight; fp32 weights would
-    double the registers, hence 2-byte weights only.)"""
-    if not gated and itemsize == 2 and 4096 < k <= 8192 and weight_bytes < _LONG_GEMV_BYTES:
-        return dict(BLOCK_N=8, num_warps=8)
-    k_pad = triton.next_power_of_2(k)
-    caps = (_MAX_WARPS,) if weight_bytes < _LONG_GEMV_BYTES else (8, _MAX_WARPS)
-    for cap in caps:
-        for block_n in (4, 2, 1):
-            elems = block_n * k_pad * (2 if gated else 1)
-            warps = max(4, elems // (32 * _ELEMS_PER_THREAD))
-            if warps <= cap:
-                return dict(BLOCK_N=block_n, num_warps=warps)
-    return None
 
 
 def _rows_i32(w: torch.Tensor) -> bool:

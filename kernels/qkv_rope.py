@@ -22,16 +22,16 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import (
-    _ELEMS_PER_THREAD,
-    _MAX_WARPS,
     MAX_ROWS,
     _row_mask,
-    apply_block_scales,
     fused_gemv_ref,
     gdc_launch_dependents,
     gdc_wait,
-    load_weights,
+    load_block_scales,
+    load_weight_tile,
+    weight_dot,
 )
+from .gemv_tiles import ELEMS_PER_THREAD, MAX_WARPS, fp8_tile_config
 from .kv_write import check_kv_cache_pair, check_launchable
 from .lora_epilogue import LoraEpilogue, lora_delta, lora_launch_args
 from .rope_kv import rope_write_kv_ref, rotate_halves
@@ -118,14 +118,14 @@ def _norm_qkv_rope_kernel(
     offs_k = tl.arange(0, K_PAD)
     k_mask = offs_k < K
     tile = offs_k[None, :] + tl.zeros([PAIRS, 1], dtype=tl.int32)  # [PAIRS, K_PAD]
-    w1 = load_weights(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K)
-    w2 = load_weights(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K)
-    w1 = w1.to(tl.float32)
-    w2 = w2.to(tl.float32)
+    w1 = load_weight_tile(w_ptr + rows1.to(tl.int64)[:, None] * stride_wn + tile, tile < K, SCALED)
+    w2 = load_weight_tile(w_ptr + rows2.to(tl.int64)[:, None] * stride_wn + tile, tile < K, SCALED)
+    s1 = 1.0  # FP8 weights: the rows' block scales
+    s2 = 1.0
     if SCALED:
         every = rows1 >= 0
-        w1 = apply_block_scales(w1, ws_ptr, rows1, every, stride_wsn, stride_wsk, K, K_PAD)
-        w2 = apply_block_scales(w2, ws_ptr, rows2, every, stride_wsn, stride_wsk, K, K_PAD)
+        s1 = load_block_scales(ws_ptr, rows1, every, stride_wsn, stride_wsk, K, K_PAD)
+        s2 = load_block_scales(ws_ptr, rows2, every, stride_wsn, stride_wsk, K, K_PAD)
     g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b1 = tl.load(b_ptr + rows1).to(tl.float32)
@@ -159,8 +159,8 @@ def _norm_qkv_rope_kernel(
             x = x_raw.to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            y1 = tl.sum(w1 * x[None, :], axis=1)
-            y2 = tl.sum(w2 * x[None, :], axis=1)
+            y1 = weight_dot(w1, x, s1, SCALED, K_PAD)
+            y2 = weight_dot(w2, x, s2, SCALED, K_PAD)
             if HAS_BIAS:
                 y1 += b1
                 y2 += b2
@@ -244,14 +244,23 @@ def _norm_qkv_rope_kernel(
         tl.store(c[:, None] + HALF + offs_j[None, :], o2.to(cdt), mask=write)
 
 
-def qkv_rope_config(k: int, half: int) -> dict | None:
-    """Pairs per program and warps so the two [PAIRS, K] weight tiles stay in registers."""
+def qkv_rope_config(k: int, half: int, itemsize: int = 2) -> dict | None:
+    """Pairs per program and warps so the two [PAIRS, K] weight tiles stay in registers (FP8
+    weights, itemsize 1: gemv_tiles.fp8_tile_config, a pair being two rows)."""
+    if itemsize == 1:
+        cfg = fp8_tile_config(k, gated=False, rows_per_unit=2)
+        if cfg is None:
+            return None
+        pairs = cfg.pop("BLOCK_N")
+        while half % pairs:
+            pairs //= 2
+        return dict(PAIRS=pairs, **cfg)
     k_pad = triton.next_power_of_2(k)
     for pairs in (2, 1):
         if half % pairs:
             continue
-        warps = max(4, 2 * pairs * k_pad // (32 * _ELEMS_PER_THREAD))
-        if warps <= _MAX_WARPS:
+        warps = max(4, 2 * pairs * k_pad // (32 * ELEMS_PER_THREAD))
+        if warps <= MAX_WARPS:
             return dict(PAIRS=pairs, num_warps=warps)
     return None
 
@@ -304,7 +313,7 @@ def norm_qkv_rope(
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.shape != (t,) or idx.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [{t}], got {idx.dtype} {list(idx.shape)}")
-    cfg = qkv_rope_config(k, half)
+    cfg = qkv_rope_config(k, half, weight.element_size())
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     check_launchable(x, "x")

@@ -9,7 +9,13 @@ import importlib
 
 import pytest
 import torch
-from hf_paged.kernels import fused_gemv, fused_gemv_ref, rope_write_kv, rope_write_kv_ref
+from hf_paged.kernels import (
+    fused_gemv,
+    fused_gemv_ref,
+    gemv_tiles,
+    rope_write_kv,
+    rope_write_kv_ref,
+)
 
 fg = importlib.import_module("hf_paged.kernels.fused_gemv")
 
@@ -115,6 +121,32 @@ def test_fused_gemv_writes_the_normalised_rows(rows, dtype):
         fused_gemv(x, t["w"], norm_out=out)
 
 
+def _every_fp8_code_case(device):
+    # all 254 float8_e4m3fn codes but the two NaNs (subnormals, zeros of both signs, +-448) in
+    # every column (row n, column j: code (n + j) mod 254), two blocks of 128 columns with
+    # power-of-2 scales per row, and one-hot rows: each output is one decoded weight times its
+    # scale, exactly representable, so any bit the decode gets wrong (a flushed subnormal, a
+    # lost sign) shows as an inequality
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    idx = (torch.arange(254)[:, None] + torch.arange(256)[None, :]) % 254
+    w8 = codes[idx].view(torch.float8_e4m3fn)
+    scale = 2.0 ** torch.randint(-12, 4, (254, 2), generator=torch.Generator().manual_seed(0))
+    cols = torch.tensor([0, 1, 127, 128, 200, 255])
+    x = torch.nn.functional.one_hot(cols, 256).float()
+    want = (w8.float() * scale.repeat_interleave(128, dim=1))[:, cols].T
+    return x.to(device), w8.to(device), scale.to(device), want.to(device)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_fused_gemv_decodes_every_fp8_code_exactly(device):
+    x, w8, scale, want = _every_fp8_code_case(device)
+    got = fused_gemv(x, w8, weight_scale=scale)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_fused_gemv_fp8_refuses_missing_or_stray_scales():
     from hf_paged.quantization.fp8_weights import quantize_weight
 
@@ -183,22 +215,38 @@ def test_fused_gemv_weight_rows_with_a_stride(option):
 
 
 def test_tile_config_keeps_the_weight_tile_in_registers():
-    assert fg.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4)
-    assert fg.tile_config(14336, gated=False)["num_warps"] <= 16  # Llama-3-8B down_proj
-    assert fg.tile_config(1 << 20, gated=True) is None
+    assert gemv_tiles.tile_config(2048, gated=False) == dict(BLOCK_N=4, num_warps=4)
+    assert gemv_tiles.tile_config(14336, gated=False)["num_warps"] <= 16  # Llama-3-8B down_proj
+    assert gemv_tiles.tile_config(1 << 20, gated=True) is None
     with pytest.raises(ValueError, match="does not fit"):
         fused_gemv(torch.zeros(1, 1 << 16), torch.zeros(4, 1 << 16))
 
 
 def test_tile_config_long_gemvs_take_fewer_rows_before_more_warps():
     # Llama-3-8B down_proj (117 MB) and gate/up (235 MB): at most 8 warps a program
-    assert fg.tile_config(14336, False, 4096 * 14336 * 2) == dict(BLOCK_N=1, num_warps=8)
-    assert fg.tile_config(4096, True, 2 * 14336 * 4096 * 2) == dict(BLOCK_N=2, num_warps=8)
+    assert gemv_tiles.tile_config(14336, False, 4096 * 14336 * 2) == dict(BLOCK_N=1, num_warps=8)
+    assert gemv_tiles.tile_config(4096, True, 2 * 14336 * 4096 * 2) == dict(BLOCK_N=2, num_warps=8)
     # the 1.1B down_proj (23 MB, bf16): 8 rows x 8 warps, one wave; in fp32 the wider tile
-    assert fg.tile_config(5632, False, 2048 * 5632 * 2) == dict(BLOCK_N=8, num_warps=8)
-    assert fg.tile_config(5632, False, 2048 * 5632 * 4, 4) == dict(BLOCK_N=4, num_warps=16)
+    assert gemv_tiles.tile_config(5632, False, 2048 * 5632 * 2) == dict(BLOCK_N=8, num_warps=8)
+    assert gemv_tiles.tile_config(5632, False, 2048 * 5632 * 4, 4) == dict(BLOCK_N=4, num_warps=16)
     # a K no 8-warp tile holds still gets 16
-    assert fg.tile_config(18944, False, 1 << 30) == dict(BLOCK_N=1, num_warps=16)
+    assert gemv_tiles.tile_config(18944, False, 1 << 30) == dict(BLOCK_N=1, num_warps=16)
+
+
+def test_tile_config_fp8_weights_hold_256_a_thread_in_4_warps():
+    from hf_paged.kernels.qkv_rope import qkv_rope_config
+
+    # the Llama-3-8B projections' FP8 tiles: q/k/v and o 8 rows, gate/up 4, down 2, 4 warps
+    assert gemv_tiles.tile_config(4096, False, 6144 * 4096, 1) == dict(BLOCK_N=8, num_warps=4)
+    assert gemv_tiles.tile_config(4096, True, 2 * 14336 * 4096, 1) == dict(BLOCK_N=4, num_warps=4)
+    assert gemv_tiles.tile_config(14336, False, 4096 * 14336, 1) == dict(BLOCK_N=2, num_warps=4)
+    # a K one row of which needs more warps; and one no program holds
+    assert gemv_tiles.tile_config(1 << 16, False, 0, 1) == dict(BLOCK_N=1, num_warps=8)
+    assert gemv_tiles.tile_config(1 << 18, False, 0, 1) is None
+    # norm_qkv_rope: pairs of rows, as many as divide the head's half
+    assert qkv_rope_config(4096, 64, 1) == dict(PAIRS=4, num_warps=4)
+    assert qkv_rope_config(1024, 4, 1) == dict(PAIRS=4, num_warps=4)
+    assert qkv_rope_config(1024, 2, 1) == dict(PAIRS=2, num_warps=4)
 
 
 def test_fused_gemv_refuses_bad_inputs():

@@ -106,7 +106,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or 2 * inv_freq.numel() != head_dim:
         return "partial rotary (RoPE over part of each head)"
-    from hf_paged.kernels.fused_gemv import tile_config
+    from hf_paged.kernels.gemv_tiles import tile_config
 
     for k, gated in ((cfg.hidden_size, True), (cfg.intermediate_size, False)):
         if tile_config(k, gated) is None:
