@@ -105,3 +105,17 @@ def _init_softmax_state(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     return acc, l_i, m_i
+
+
+@triton.jit
+def fp16_query(q):
+    # An FP8 cache under bf16 queries: the scores and P.V run in fp16, not bf16. H200, Llama-3-8B
+    # heads, 2026-12-03 (evals/profiling/fp8_attention_bench.py --sweep): casting FP8 tiles to
+    # bf16 costs more than the halved bytes save (decode 256 x 4k 1.19 ms against 1.04 on a bf16
+    # cache; prefill 2 x 4k 1.11 against 0.97), while float8 -> fp16 is one conversion an
+    # element pair: 0.83 and 0.96 ms. Both FP8 formats are exact in fp16, as is every bf16 query
+    # element of magnitude in [2^-14, 65504]; smaller ones keep fewer bits (they move a score
+    # by < 2^-24 of a key), larger ones saturate at 65504 instead of overflowing. P is rounded
+    # to fp16: finer than bf16 for P in [2^-14, 1], coarser below, where a term weighs less
+    # than 2^-14 of the row's largest.
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)

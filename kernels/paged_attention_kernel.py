@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
+from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step, fp16_query
 from .fused_gemv import gdc_launch_dependents, gdc_wait
 
 
@@ -70,7 +70,7 @@ def _attend_kv_tile(
     HEAD_DIM_V_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,  # the query's dtype: FP8 K/V rows are cast to it
+    COMPUTE_DTYPE: tl.constexpr,  # FP8 K/V rows are cast to it (fp16_query says which)
     slopes=0.0,  # f32 [BLOCK_M] ALiBi slopes in log2 units (ALIBI only)
     ALIBI: tl.constexpr = False,
 ):
@@ -269,6 +269,9 @@ def _paged_attention_kernel(
     row_mask = row_valid[:, None] & d_mask[None, :]
     q_ptrs = query_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if key_cache_ptr.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        q = fp16_query(q)
+    compute_dtype = q.dtype  # FP8 K/V tiles are cast to it
     if DOT_UPCAST:
         q = q.to(tl.float32)
 
@@ -338,7 +341,7 @@ def _paged_attention_kernel(
                 HEAD_DIM_V_PAD,
                 DOT_PRECISION,
                 DOT_UPCAST,
-                out_ptr.dtype.element_ty,
+                compute_dtype,
                 slopes,
                 ALIBI,
             )
@@ -374,7 +377,7 @@ def _paged_attention_kernel(
             HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
-            out_ptr.dtype.element_ty,
+            compute_dtype,
             slopes,
             ALIBI,
         )
@@ -410,7 +413,7 @@ def _paged_attention_kernel(
             HEAD_DIM_V_PAD,
             DOT_PRECISION,
             DOT_UPCAST,
-            out_ptr.dtype.element_ty,
+            compute_dtype,
             slopes,
             ALIBI,
         )

@@ -105,6 +105,20 @@ def test_paged_attention_fp8_mixed_batch(cache_dtype, dtype):
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+def test_paged_attention_fp8_bf16_query_beyond_fp16_saturates():
+    # bf16 queries over an FP8 cache are multiplied in fp16 (kernels/attention_common.py
+    # fp16_query): an element past fp16's 65504 saturates there instead of becoming inf (and the
+    # row NaN); here it dominates its row's scores either way, so the output stays the
+    # reference's
+    query, kc, vc, meta = fp8_batch([3, 1], [9, 20], 4, 2, 16, FP8[0], 0.4, 0.05, torch.bfloat16)
+    query[0, 0, 0] = 3e5
+    got = paged_attention(query, kc, vc, meta, 0.25, k_scale=0.4, v_scale=0.05)
+    ref = paged_attention_ref(query, kc, vc, meta, 0.25, k_scale=0.4, v_scale=0.05)
+    assert got.isfinite().all()
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_attention_fp8_split_decode_and_window(splits):
     query, kc, vc, meta = fp8_batch(
