@@ -80,11 +80,13 @@ def load_weight_tile(ptrs, mask, SCALED: tl.constexpr):
     # registers, four to a register, and are converted where weight_dot uses them: a thread
     # then holds 4x the weights a register budget allows as float32, so a program keeps more
     # of the HBM stream in flight (tile_config gives FP8 tiles 256 weights a thread). H200,
-    # Llama-3-8B shape, batch 1, 8 layers a projection in one graph (2026-12-03): gate/up
-    # 29.5 us (3.98 TB/s) against 37.9 for the best float32-at-load tile and 42.7 for the
-    # float32-at-load default; q/k/v 8.6 against 10.0, o 6.0 against 6.1, down 18.4 against
-    # 19.3. Decoding the codes by moving bits (two integer ops a weight) instead of the
-    # hardware conversion was slower at every projection (gate/up 50.5 us at its best tile).
+    # Llama-3-8B shape, batch 1, a one-off sweep of 8 layers a projection in one graph with
+    # PDL (2026-12-03; its script and log are not kept): gate/up 29.5 us (3.98 TB/s) against
+    # 37.9 for the best float32-at-load tile and 42.7 for the float32-at-load default; q/k/v
+    # 8.6 against 10.0, o 6.0 against 6.1, down 18.4 against 19.3; decoding the codes by moving
+    # bits instead of the hardware conversion was slower everywhere (gate/up 50.5 us). Kept
+    # measurement, without PDL: `evals/profiling/fp8_gemv_bench.py`, at 1 row 0.58-0.72x the
+    # bf16 kernel's time (evals/h200/fp8-products-llama-3-8b-2026-12-03.log).
     w = load_weights(ptrs, mask)
     if not SCALED:
         w = w.to(tl.float32)

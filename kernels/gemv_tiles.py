@@ -56,7 +56,9 @@ def fp8_tile_config(k: int, gated: bool, rows_per_unit: int = 1) -> dict | None:
     """FP8 weights (kept float8 in registers: fused_gemv.load_weight_tile): FP8_ELEMS_PER_THREAD
     weights a thread, 4 warps a program, as many rows (in units of rows_per_unit) as that holds, at
     most 8; more warps only where one unit does not fit. H200, Llama-3-8B shape, batch 1
-    (2026-12-03), us a product at this rule's tile against the best of 11 tiles swept: q/k/v
+    (2026-12-03, a one-off sweep whose script and log are not kept; fused_gemv's
+    load_weight_tile names the kept benchmark), us a product at this rule's tile against the
+    best of 11 tiles swept: q/k/v
     8.7 / 8.6 (8 rows x 4 warps), o 6.1 / 6.0, gate/up 29.5 / 29.5 (4 x 4), down 18.4 / 18.4
     (2 x 4); 8 warps where 4 hold the same rows were as fast or slower, 16 always slower."""
     k_pad = triton.next_power_of_2(k)

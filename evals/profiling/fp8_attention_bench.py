@@ -99,7 +99,7 @@ def sweep() -> None:
             (128, 64, 4, 3),
             (256, 64, 8, 2),
             (128, 128, 4, 2),
-        )  # fmt: skip
+        )
     ]
     sweeps = [
         ("decode 256 x 4096", [1] * 256, [4096] * 256, True, decode_tiles),
@@ -116,8 +116,9 @@ def sweep() -> None:
         for tile, qd in itertools.product([None, *tiles], (torch.bfloat16, torch.float16)):
             fn = attention(query.to(qd), kc8, vc8, meta, graph, tile)[1]
             ms = time_ms(fn, graph)
-            shape = "default" if tile is None else (
-                f"{tile.block_m}, {tile.block_n}, {tile.num_warps}, {tile.num_stages}")  # fmt: skip
+            shape = "default"
+            if tile is not None:
+                shape = f"{tile.block_m}, {tile.block_n}, {tile.num_warps}, {tile.num_stages}"
             print(f"| {name} | {shape} | {str(qd)[6:]} | {ms:.3f} | {ms / base:.2f} |", flush=True)
         del query, kc, vc, kc8, vc8
         torch.cuda.empty_cache()
