@@ -57,6 +57,35 @@ def test_fp8_gemv_matches_reference(rows, dtype, bias):
     torch.testing.assert_close(got.float().cpu(), ref, atol=tol * 10, rtol=tol)
 
 
+@pytest.mark.parametrize("k", [200, 640])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_gemv_split_k_adds_partials_in_order(k, dtype):
+    # K split over programs (2 and 3 ranges of 128-column blocks, one range shorter) whose
+    # float32 partial sums a second launch adds; bf16 rows multiply in fp16 (dot_fp16), a bf16
+    # row beyond fp16's range saturates at 65504 there
+    gen = torch.Generator().manual_seed(1)
+    w8, scale = quantize_weight(torch.randn(48, k, generator=gen))
+    x = torch.randn(5, k, generator=gen)
+    b = torch.randn(48, generator=gen)
+    args = (x.to(dtype).to(DEVICE), w8.to(DEVICE), scale.to(DEVICE), b.to(dtype).to(DEVICE))
+    ref = fp8_gemv_ref(x.to(dtype).float(), w8, scale, b.to(dtype).float())
+    whole = fp8_gemv(*args, config=dict(BLOCK_N=16, splits=1, num_warps=4, num_stages=2))
+    for splits in (2, 3):
+        cfg = dict(BLOCK_N=16, splits=splits, num_warps=4, num_stages=2)
+        got = fp8_gemv(*args, config=cfg)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float().cpu(), ref, atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(got, whole, atol=0.1, rtol=2e-2)
+        assert torch.equal(got, fp8_gemv(*args, config=cfg))  # the same on every run
+    if dtype == torch.bfloat16:
+        big = args[0].clone()
+        big[0, 0] = 1e6  # fp16's largest is 65504
+        got = fp8_gemv(big, *args[1:3], config=dict(BLOCK_N=16, splits=2, num_warps=4))
+        sat = big.float().clamp(-65504, 65504)
+        expected = fp8_gemv_ref(sat.cpu(), w8, scale)
+        torch.testing.assert_close(got.float().cpu()[0], expected[0], atol=0.5, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_quantisation_kernel_matches_torch(dtype):
     # kernels/fp8_quant.py: per row and 128 columns, float8_e4m3fn and M-major scales, padded

@@ -1,7 +1,7 @@
 """FP8 weight products (hf_paged/quantization/fp8_weights.py) against the bf16 ones they replace.
 
     python evals/profiling/fp8_gemv_bench.py [--shape llama-3-8b] [--small-rows 1,2]
-        [--rows 4,8,16] [--gemm-rows 256,1024,4096]
+        [--rows 4,8,16] [--gemm-rows 256,1024,4096] [--gemv-sweep ROWS]
 
 For each linear layer of the shape's decoder (fused q/k/v, o, fused gate/up, down), three
 tables, each FP8 product against its bf16 counterpart on the same rows:
@@ -12,7 +12,9 @@ tables, each FP8 product against its bf16 counterpart on the same rows:
   Eight copies of the layer's weights in one CUDA graph, as eight decoder layers follow each
   other in a step (one copy's launch tail would otherwise be a large part of a 6 us product);
   microseconds per product and the weight bytes streamed per second.
-- FP8 GEMV (--rows, steps of 3-16 tokens): kernels/fp8_gemv.py against torch's bf16 F.linear.
+- FP8 GEMV (--rows, steps of 3-16 tokens): kernels/fp8_gemv.py against torch's bf16 F.linear,
+  eight weight copies a graph as above. --gemv-sweep ROWS times a grid of its tiles instead
+  (the measurement behind kernels/fp8_gemv.py's gemv_config).
 - GEMM (--gemm-rows, prefill and large batches): the engine's product, activations quantised
   per token and 128 columns then torch's blockwise scaled_mm (1x128 x 1x128), against bf16
   F.linear, and torch's rowwise scaled_mm (a scale per token x one per output channel: the
@@ -28,7 +30,7 @@ import argparse
 
 import torch
 from bench_setup import PEAK_BW, PEAK_FLOPS, bench_graph, models
-from hf_paged.kernels.fp8_gemv import fp8_gemv
+from hf_paged.kernels.fp8_gemv import _sm_count, fp8_gemv, gemv_config
 from hf_paged.kernels.fused_gemv import fused_gemv
 
 from hf_paged.quantization.fp8_weights import _blockwise_scaled_mm, quantize_weight
@@ -93,20 +95,28 @@ def small_batch_table(shapes, rows: list[int]) -> None:
 
 
 def gemv_table(shapes, rows: list[int]) -> None:
-    print("\nFP8 GEMV (kernels/fp8_gemv.py) against bf16 F.linear: us per product")
-    print("| layer | N x K | rows | fp8 us | bf16 us | bf16 / fp8 | fp8 bound us |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        f"\nFP8 GEMV (kernels/fp8_gemv.py, gemv_config's tile) against bf16 F.linear, {COPIES} "
+        "weight copies a graph: us per product"
+    )
+    print(
+        "| layer | N x K | rows | fp8 us | fp8 TB/s | bf16 us | bf16 TB/s | bf16 / fp8 | bound us |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, n, k in shapes:
-        w = weight(n, k)
-        w8, scale = quantize_weight(w)
-        bound_us = (w8.numel() + scale.numel() * 4) / PEAK_BW * 1e6
+        bf16 = [weight(n, k) for _ in range(COPIES)]
+        fp8 = [quantize_weight(w) for w in bf16]
+        fp8_bytes = fp8[0][0].numel() + fp8[0][1].numel() * 4
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            fp8_ms = bench_graph(lambda: fp8_gemv(x, w8, scale))
-            bf16_ms = bench_graph(lambda: torch.nn.functional.linear(x, w))
+            fp8_us = bench_graph(lambda: [fp8_gemv(x, w8, s) for w8, s in fp8]) * 1e3 / COPIES
+            bf16_us = (
+                bench_graph(lambda: [torch.nn.functional.linear(x, w) for w in bf16]) * 1e3 / COPIES
+            )
             print(
-                f"| {name} | {n} x {k} | {m} | {fp8_ms * 1e3:.1f} | {bf16_ms * 1e3:.1f} | "
-                f"{bf16_ms / fp8_ms:.2f}x | {bound_us:.1f} |",
+                f"| {name} | {n} x {k} | {m} | {fp8_us:.1f} | {fp8_bytes / fp8_us / 1e6:.2f} | "
+                f"{bf16_us:.1f} | {n * k * 2 / bf16_us / 1e6:.2f} | {bf16_us / fp8_us:.2f}x | "
+                f"{fp8_bytes / PEAK_BW * 1e6:.1f} |",
                 flush=True,
             )
 
@@ -143,12 +153,67 @@ def gemm_table(shapes, rows: list[int]) -> None:
     print(f"(bound: {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16; FP8 tensor cores are twice that)")
 
 
+def gemv_sweep(shapes, rows: int) -> None:
+    """Every tile of a grid for kernels/fp8_gemv.py at `rows` rows, COPIES weight copies a
+    graph: the five fastest per layer and the rule's (gemv_config)."""
+    import itertools
+
+    print(f"\nFP8 GEMV tile sweep, {rows} rows, {COPIES} weight copies a graph: us per product")
+    print("| layer | N x K | rank | BLOCK_N | splits | warps | stages | us | TB/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    sms = _sm_count(0)
+    for name, n, k in shapes:
+        copies = [quantize_weight(weight(n, k)) for _ in range(COPIES)]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = copies[0][0].numel() + copies[0][1].numel() * 4
+        rule = gemv_config(n, k, sms)
+        grid = [
+            dict(BLOCK_N=bn, splits=sp, num_warps=w, num_stages=st)
+            for bn, sp, w, st in itertools.product(
+                (16, 32, 64, 128), (1, 2, 4, 8, 16), (4, 8), (3, 4, 6)
+            )
+        ]
+        if rule not in grid:
+            grid.append(rule)
+        results = []
+        for cfg in grid:
+            try:
+                us = bench_graph(lambda: [fp8_gemv(x, w8, s, config=cfg) for w8, s in copies])
+            except Exception as e:  # a tile that does not fit (shared memory, registers)
+                print(f"<!-- {name} {cfg}: {type(e).__name__} -->")
+                continue
+            results.append((us * 1e3 / COPIES, cfg))
+        results.sort(key=lambda r: r[0])
+        shown = results[:5] + [r for r in results[5:] if r[1] == rule]
+        for us, cfg in shown:
+            rank = "rule" if cfg == rule else str(results.index((us, cfg)) + 1)
+            if cfg == rule and results.index((us, cfg)) < 5:
+                rank = f"{results.index((us, cfg)) + 1} (rule)"
+            print(
+                f"| {name} | {n} x {k} | {rank} | {cfg['BLOCK_N']} | {cfg['splits']} | "
+                f"{cfg['num_warps']} | {cfg['num_stages']} | {us:.1f} | {nbytes / us / 1e6:.2f} |",
+                flush=True,
+            )
+        best = results[0][1]
+        for dot_fp16 in (True, False):
+            us = bench_graph(
+                lambda: [
+                    fp8_gemv(x, w8, s, config=dict(best, dot_fp16=dot_fp16)) for w8, s in copies
+                ]
+            )
+            print(
+                f"<!-- {name} best tile, dot in {'fp16' if dot_fp16 else 'bf16'}: "
+                f"{us * 1e3 / COPIES:.1f} us -->"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b", choices=tuple(models.SHAPES))
     parser.add_argument("--small-rows", default="1,2")
     parser.add_argument("--rows", default="4,8,16")
     parser.add_argument("--gemm-rows", default="256,1024,4096")
+    parser.add_argument("--gemv-sweep", type=int, default=0, metavar="ROWS")
     args = parser.parse_args()
     shapes = layer_shapes(args.shape)
     print(f"{args.shape} on {torch.cuda.get_device_name()}")
@@ -156,6 +221,8 @@ def main() -> None:
     def ints(s):
         return [int(r) for r in s.split(",") if r]
 
+    if args.gemv_sweep:
+        gemv_sweep(shapes, args.gemv_sweep)
     if ints(args.small_rows):
         small_batch_table(shapes, ints(args.small_rows))
     if ints(args.rows):
