@@ -75,6 +75,8 @@ class ModelLease:
         self.previous = previous  # the attention implementation to restore
         self.fused = False  # some owner fused q/k/v and gate/up projections
         self.lora = None  # hf_paged.lora.layers.LoraRouting: peft's LoRA layers, routed per token
+        # hf_paged.quantization.fp8_checkpoints.Fp8Checkpoint: transformers' FP8 layers swapped
+        self.fp8_checkpoint = None
         # hf_paged.distributed's executor: the model sharded, the other ranks' processes
         self.tp = None
         # transformers' logits for the start-up check's prompts (hf_paged/engine/verify.py),

@@ -213,6 +213,109 @@ def test_fused_projection_slices_quantised(tiny_model):
         torch.testing.assert_close(got, getattr(ref_attn, name)(x), atol=1e-5, rtol=1e-5)
 
 
+def fp8_checkpoint(model: nn.Module, block, ue8m0: bool = False) -> nn.Module:
+    """The model as transformers loads a FineGrainedFP8 checkpoint: each linear but lm_head a
+    transformers FP8Linear holding float8 weights and one scale per [block_n, block_k] block
+    (None: one per tensor; ue8m0: scales stored as powers of two, float8_e8m0fnu)."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    skip = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, lin in list(parent.named_children()):
+            if type(lin) is not nn.Linear or lin is skip:
+                continue
+            n, k = lin.weight.shape
+            bn, bk = block or (n, k)
+            w = lin.weight.detach().float()
+            tiles = w.view(n // bn, bn, k // bk, bk)
+            scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+            if ue8m0:
+                scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
+            w8 = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            layer = FP8Linear(k, n, block_size=block, has_bias=lin.bias is not None)
+            layer.weight = nn.Parameter(w8.view(n, k), requires_grad=False)
+            stored = scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+            layer.weight_scale_inv = nn.Parameter(
+                stored if block else stored.reshape(()), requires_grad=False
+            )
+            if lin.bias is not None:
+                layer.bias = lin.bias
+            setattr(parent, name, layer)
+    return model
+
+
+def dequantised_checkpoint(model: nn.Module) -> nn.Module:
+    """A copy whose FP8Linear layers are nn.Linear with weight = codes x their block's scale."""
+    ref = copy.deepcopy(model)
+    for parent in list(ref.modules()):
+        for name, layer in list(parent.named_children()):
+            if type(layer).__name__ != "FP8Linear":
+                continue
+            n, k = layer.weight.shape
+            s = layer.weight_scale_inv.float().reshape(
+                (1, 1) if layer.block_size is None else layer.weight_scale_inv.shape
+            )
+            w = layer.weight.float() * s.repeat_interleave(n // s.shape[0], 0).repeat_interleave(
+                k // s.shape[1], 1
+            )
+            lin = nn.Linear(k, n, bias=layer.bias is not None)
+            lin.weight = nn.Parameter(w)
+            if layer.bias is not None:
+                lin.bias = layer.bias
+            setattr(parent, name, lin)
+    return ref
+
+
+@pytest.mark.parametrize(
+    "block,ue8m0", [((128, 128), False), ((64, 256), False), ((128, 128), True), (None, False)]
+)
+def test_fp8_checkpoint_runs_on_engine_kernels(block, ue8m0, tiny_model, batch_factory):
+    # transformers' FP8Linear layers (FineGrainedFP8 checkpoints) stand behind Fp8Linear views of
+    # the same weight bytes while patched: greedy output identical to transformers' generate on
+    # the dequantised weights (CPU: weight-only products), q/k/v and gate/up fused as FP8, and
+    # unpatch puts the same layer objects back with the same weights
+    from hf_paged.quantization.fp8_checkpoints import row_block_scales
+
+    model = fp8_checkpoint(
+        tiny_model("llama", hidden_size=256, intermediate_size=512), block, ue8m0
+    )
+    ref_model = dequantised_checkpoint(model)
+    layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "FP8Linear"}
+    weights = {n: m.weight.clone() for n, m in layers.items()}
+    one = next(iter(layers.values()))
+    expected = dequantize_weight(one.weight, row_block_scales(one))
+    torch.testing.assert_close(expected, ref_model.get_submodule(next(iter(layers))).weight)
+    ids, mask = batch_factory([1, 7, 33])
+    ref = ref_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    hf_paged.patch(model)
+    try:
+        engine = hf_paged.get_engine(model)
+        assert not any(type(m).__name__ == "FP8Linear" for m in model.modules())
+        assert engine.num_fused_projections > 0
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+        engine.check_invariants()
+    finally:
+        hf_paged.unpatch(model)
+    assert torch.equal(out, ref)
+    after = {n: m for n, m in model.named_modules() if type(m).__name__ == "FP8Linear"}
+    assert after.keys() == layers.keys() and all(after[n] is layers[n] for n in layers)
+    assert all(
+        torch.equal(after[n].weight.view(torch.uint8), weights[n].view(torch.uint8)) for n in after
+    )
+
+
+def test_fp8_checkpoint_layouts_without_an_exact_form_stay_as_loaded():
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from hf_paged.quantization.fp8_checkpoints import row_block_scales
+
+    narrow = FP8Linear(256, 128, block_size=(128, 64))  # 64-column blocks: finer than 128
+    assert row_block_scales(narrow) is None
+    unquantised = FP8Linear(256, 128, block_size=(128, 128))
+    unquantised.weight = nn.Parameter(torch.randn(128, 256), requires_grad=False)
+    assert row_block_scales(unquantised) is None
+
+
 @pytest.mark.parametrize(
     "value,match", [("int4", "quantization must be None or 'fp8'"), (True, "quantization must")]
 )
@@ -312,28 +415,32 @@ def test_blockwise_scaled_mm_taken_on_hopper_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_finegrained_fp8_checkpoint_runs_as_loaded_gpu(tiny_model, batch_factory, tmp_path):
-    # transformers' own FP8 checkpoints (FineGrainedFP8Config; it needs a GPU to load them):
-    # the engine runs its FP8Linear layers as they are, output as transformers' generate
+def test_finegrained_fp8_checkpoint_runs_on_engine_kernels_gpu(tiny_model, batch_factory, tmp_path):
+    # transformers' own FP8 checkpoints (FineGrainedFP8Config; it needs a GPU to load them, and
+    # hub kernels to run them): the engine runs them on its FP8 kernels, float32 activations
+    # (weight-only products at every row count), greedy output as transformers' generate on the
+    # dequantised weights; unpatch gives transformers' layers back
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    tiny_model("llama", hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
+    tiny_model("llama", hidden_size=256, intermediate_size=512).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path, quantization_config=FineGrainedFP8Config(), device_map="cuda"
     )
+    layers = [m for m in model.modules() if type(m).__name__ == "FP8Linear"]
+    assert layers and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    ref_model = dequantised_checkpoint(model)
     ids, mask = (t.cuda() for t in batch_factory([3, 12, 30]))
-    try:
-        ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
-    except ImportError as e:  # transformers fetches its FP8 kernels from the hub (`kernels`)
-        pytest.skip(f"transformers cannot run this checkpoint here: {e}")
+    ref = ref_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
     with pytest.raises(ValueError, match="already quantised"):
         hf_paged.Engine(model, quantization="fp8")
     hf_paged.patch(model)
     try:
+        assert not any(type(m).__name__ == "FP8Linear" for m in model.modules())
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
         hf_paged.get_engine(model).check_invariants()
     finally:
         hf_paged.unpatch(model)
+    assert [m for m in model.modules() if type(m).__name__ == "FP8Linear"] == layers
     assert torch.equal(out, ref)
 
 

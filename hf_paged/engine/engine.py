@@ -27,6 +27,7 @@ from hf_paged.engine.verify import verify_model
 from hf_paged.gc_freeze import collections_paused, frozen_heap
 from hf_paged.integrations.fused_projections import fuse_projections
 from hf_paged.lora import routing as lora
+from hf_paged.quantization.fp8_checkpoints import Fp8Checkpoint
 from hf_paged.quantization.fp8_weights import check_quantizable, quantize_model
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.attention import ATTN_IMPLEMENTATION
@@ -368,7 +369,8 @@ def _give_back(model: torch.nn.Module, engine: Engine, lease) -> None:
         from hf_paged.integrations.fused_projections import unfuse_projections
 
         unfuse_projections(model)
-    for held in (lease.lora, lease.tp):  # LoRA routing; tensor-parallel ranks, after unfusing
+    # FP8 checkpoint layers, LoRA routing, tensor-parallel ranks: after unfusing
+    for held in (lease.fp8_checkpoint, lease.lora, lease.tp):
         if held is not None:
             held.close()
 
@@ -377,14 +379,17 @@ def _prepare_weights(
     model: torch.nn.Module, config: EngineConfig, lease, startup: StartupTimes
 ) -> int:
     """Tensor-parallel sharding (the other ranks started on their shards: hf_paged/distributed),
-    fused projections (per rank), then FP8 weights (the fused matrices quantised as one); a
-    model that cannot be quantised is refused before it is touched. Returns the fused groups."""
+    an FP8 checkpoint's layers onto hf_paged's FP8 kernels, fused projections (per rank), then
+    FP8 weights (the fused matrices quantised as one); a model that cannot be quantised is
+    refused before it is touched. Returns the fused groups."""
     if config.tensor_parallel_size > 1:
         from hf_paged.distributed import TensorParallelExecutor
 
         lease.tp = TensorParallelExecutor(model, config, lease)
     if config.quantization is not None:
         check_quantizable(model, config.quantization)
+    if lease.fp8_checkpoint is None and lease.tp is None:  # before fusing: fused as FP8
+        lease.fp8_checkpoint = Fp8Checkpoint(model) or None
     fused = 0
     if config.fuse_projections:
         with startup.phase("fuse_projections"):
