@@ -88,7 +88,7 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no column masks
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,  # write float32 partial sums for _fp8_gemv_reduce_kernel
-    DOT_FP16: tl.constexpr,  # multiply in fp16 (bf16 activations): see fp8_gemv
+    DOT_FP16: tl.constexpr,  # bf16 activations multiplied in fp16 (see the loop)
     DOT_PRECISION: tl.constexpr,
 ):
     # one program: BLOCK_N output channels for every row (M <= BLOCK_M) over one range of K
@@ -99,7 +99,7 @@ def _fp8_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    # rows past M and N read row 0 / the last row (in bounds, never stored): no row masks in
+    # rows past M and N read the last row (in bounds, never stored): no row masks in
     # the loop
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
