@@ -252,6 +252,11 @@ def dequantised_checkpoint(model: nn.Module) -> nn.Module:
             if type(layer).__name__ != "FP8Linear":
                 continue
             n, k = layer.weight.shape
+            if layer.weight.dtype != torch.float8_e4m3fn:  # left unquantised by transformers
+                lin = nn.Linear(k, n, bias=layer.bias is not None)
+                lin.weight, lin.bias = layer.weight, layer.bias
+                setattr(parent, name, lin)
+                continue
             s = layer.weight_scale_inv.float().reshape(
                 (1, 1) if layer.block_size is None else layer.weight_scale_inv.shape
             )
