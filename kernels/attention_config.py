@@ -40,7 +40,7 @@ _MAX_SPLITS = 32
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: any small number; tests force the split count explicitly
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -96,7 +96,7 @@ def choose_num_kv_splits(
     """Flash-decoding split count: enough programs to fill the GPU, enough keys per split
     (decode_attention asks for fewer keys per split: one tile)."""
     programs = max(1, num_seqs * num_kv_heads)
-    target = _SPLIT_TARGET_PROGRAMS_PER_SM * _num_sms(device)
+    target = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms(device)
     if programs >= target:
         return 1
     by_len = max(1, max_seq_len // min_keys_per_split)
@@ -118,6 +118,6 @@ def choose_decode_num_kv_splits(
     splits = choose_num_kv_splits(
         num_seqs, num_kv_heads, max_seq_len, device, min_keys_per_split=block_n
     )
-    if num_seqs * num_kv_heads * splits > _num_sms(device) // 2:
+    if num_seqs * num_kv_heads * splits > num_sms(device) // 2:
         splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device)
     return splits

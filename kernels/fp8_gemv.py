@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_config import num_sms
 from .kv_write import check_launchable, interpreting
 
 MAX_ROWS = 16
@@ -43,10 +44,6 @@ def fp8_gemv_ref(
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def gemv_config(n: int, k: int, sms: int) -> dict:
     """BLOCK_N, K splits, warps and pipeline stages for an [N, K] FP8 weight on `sms` SMs.
 
@@ -185,11 +182,7 @@ def fp8_gemv(
     check_launchable(x, "x")
     m = x.shape[0]
     out = x.new_empty(m, n)
-    cfg = (
-        dict(config)
-        if config
-        else gemv_config(n, k, 1 if interpreting() else _sm_count(x.device.index or 0))
-    )
+    cfg = dict(config or gemv_config(n, k, num_sms(x.device)))  # a copy: popped below
     splits = max(1, min(cfg.pop("splits"), blocks))
     per_split = triton.cdiv(blocks, splits)
     splits = triton.cdiv(blocks, per_split)  # no empty split

@@ -462,7 +462,7 @@ def test_decode_attention_default_split_is_one_key_tile(monkeypatch, kv_heads, m
     # keys, 128 at head_dim 64), at most 32, unless that grid takes more than half the SMs
     # (8 KV heads x 16 on 132 SMs): then paged_attention's own count, >= 512 keys a split
     mod = importlib.import_module("hf_paged.kernels.decode_attention")  # the module
-    monkeypatch.setattr(config_mod, "_num_sms", lambda device: 132)  # an H200
+    monkeypatch.setattr(config_mod, "num_sms", lambda device: 132)  # an H200
     seen = []
     real = mod._reduce_splits
     monkeypatch.setattr(mod, "_reduce_splits", lambda *a: seen.append(a[4]) or real(*a))

@@ -30,7 +30,8 @@ import argparse
 
 import torch
 from bench_setup import PEAK_BW, PEAK_FLOPS, bench_graph, models
-from hf_paged.kernels.fp8_gemv import _sm_count, fp8_gemv, gemv_config
+from hf_paged.kernels.attention_config import num_sms
+from hf_paged.kernels.fp8_gemv import fp8_gemv, gemv_config
 from hf_paged.kernels.fused_gemv import fused_gemv
 
 from hf_paged.quantization.fp8_weights import _blockwise_scaled_mm, quantize_weight
@@ -161,7 +162,7 @@ def gemv_sweep(shapes, rows: int) -> None:
     print(f"\nFP8 GEMV tile sweep, {rows} rows, {COPIES} weight copies a graph: us per product")
     print("| layer | N x K | rank | BLOCK_N | splits | warps | stages | us | TB/s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    sms = _sm_count(0)
+    sms = num_sms(torch.device("cuda"))
     for name, n, k in shapes:
         copies = [quantize_weight(weight(n, k)) for _ in range(COPIES)]
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -184,16 +185,15 @@ def gemv_sweep(shapes, rows: int) -> None:
                 continue
             results.append((us * 1e3 / COPIES, cfg))
         results.sort(key=lambda r: r[0])
-        shown = results[:5] + [r for r in results[5:] if r[1] == rule]
-        for us, cfg in shown:
-            rank = "rule" if cfg == rule else str(results.index((us, cfg)) + 1)
-            if cfg == rule and results.index((us, cfg)) < 5:
-                rank = f"{results.index((us, cfg)) + 1} (rule)"
-            print(
-                f"| {name} | {n} x {k} | {rank} | {cfg['BLOCK_N']} | {cfg['splits']} | "
-                f"{cfg['num_warps']} | {cfg['num_stages']} | {us:.1f} | {nbytes / us / 1e6:.2f} |",
-                flush=True,
-            )
+        for i, (us, cfg) in enumerate(results):
+            if i < 5 or cfg == rule:
+                rank = f"{i + 1}" + (" (rule)" if cfg == rule else "")
+                print(
+                    f"| {name} | {n} x {k} | {rank} | {cfg['BLOCK_N']} | {cfg['splits']} | "
+                    f"{cfg['num_warps']} | {cfg['num_stages']} | {us:.1f} | "
+                    f"{nbytes / us / 1e6:.2f} |",
+                    flush=True,
+                )
         best = results[0][1]
         for dot_fp16 in (True, False):
             us = bench_graph(
