@@ -53,11 +53,15 @@ class StepInputs:
 def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> StepInputs:
     num_seqs = len(batch.req_ids)
     req_to_row = ib.req_to_row
-    rows = np.empty(num_seqs, dtype=np.int64)
-    for i, (req_id, block_ids) in enumerate(zip(batch.req_ids, batch.block_ids)):
-        row = req_to_row[req_id]
-        rows[i] = row
-        ib.sync_blocks(row, block_ids)
+    row_list = [req_to_row[req_id] for req_id in batch.req_ids]
+    rows = np.array(row_list, dtype=np.int64)
+    # new block ids: a decode step's request gets one every block_size tokens, so only the
+    # rows whose KV manager list grew are copied (a Python loop over every row cost ~10% of
+    # a 256-row decode step's host time)
+    block_ids = batch.block_ids
+    lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=num_seqs)
+    for i in np.flatnonzero(lens > ib.num_blocks[rows]).tolist():
+        ib.sync_blocks(row_list[i], block_ids[i])
     num_spec = None
     if batch.spec_token_ids:
         spec = batch.spec_token_ids
