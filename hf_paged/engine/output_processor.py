@@ -89,7 +89,7 @@ def make_output(r: Request, num_new: int, tokenizer=None) -> RequestOutput:
     tokens = r.all_token_ids
     status = r.status
     # positional, in RequestOutput's field order (keywords cost ~3x as much at 256 rows a step;
-    # tests/test_generation_outputs.py checks every field against the request)
+    # tests/test_request_output.py checks every field against the request)
     return RequestOutput(
         r.request_id,  # request_id
         r.prompt_token_ids,  # prompt_token_ids
