@@ -126,7 +126,7 @@ def _server_run(
         with frozen_heap(), ServerThread(app) as server, GcPauses() as gc_pauses:
             threads = {"engine": front._thread, "loop": server.thread}
             cpu0 = {k: thread_cpu_s(t) for k, t in threads.items()}
-            timings, wall, client_cpu = _clients(
+            timings, wall, client_cpu, _t0 = _clients(
                 server.url, "bench", wl, clients, None, client_processes
             )
             cpu = {k: thread_cpu_s(t) - cpu0[k] for k, t in threads.items()}
@@ -159,6 +159,24 @@ def _arrivals(first: tuple | None, last: tuple | None) -> dict | None:
         return None
     (t0, n0, s0, c0), (t1, n1, s1, c1) = first, last
     return {"span_s": t1 - t0, "num_steps": n1 - n0, "step_s": s1 - s0, "step_cpu_s": c1 - c0}
+
+
+def _timeline(t0: float, loop: dict) -> dict | None:
+    """The engine process's run on the clients' clock (seconds from their start, t0): when the
+    first and the last request reached the engine, when its last step ended, and the time its
+    loop spent outside step() from the first request to the last step (its own work between
+    steps: taking messages in, encoding and queueing outputs)."""
+    first, last, end = loop["first_add"], loop["last_add"], loop.get("last_step_end")
+    if first is None or last is None or end is None:
+        return None
+    steps = loop["num_steps"] - first[1]
+    return {
+        "first_in_s": first[0] - t0,
+        "last_in_s": last[0] - t0,
+        "last_step_s": end - t0,
+        "outside_step_s": (end - first[0]) - (loop["step_s"] - first[2]),
+        "num_steps": steps,
+    }
 
 
 def child_model(model: str, dtype: str, device: str):
@@ -243,7 +261,7 @@ def _process_server_run(
         with frozen_heap(), ServerThread(app) as server, GcPauses() as gc_pauses:
             before = front.call("stats")["loop"]
             loop0 = thread_cpu_s(server.thread)
-            timings, wall, client_cpu = _clients(
+            timings, wall, client_cpu, t0 = _clients(
                 server.url, "bench", wl, clients, None, client_processes
             )
             loop_cpu = thread_cpu_s(server.thread) - loop0
@@ -259,6 +277,7 @@ def _process_server_run(
         "step_cpu_s": after["step_cpu_s"] - before["step_cpu_s"],
         "num_handoffs": front.num_handoffs,
         "arrivals": _arrivals(after["first_add"], after["last_add"]),
+        "timeline": _timeline(t0, after),
         # CPU seconds of the engine process's step loop thread and of this event loop
         "thread_cpu_s": {
             "engine": after["thread_cpu_s"] - before["thread_cpu_s"],
@@ -282,7 +301,7 @@ def _process_server_run(
 
 def _clients(url: str, model: str, wl, clients: int, api_key: str | None, processes: int = 1):
     """The load generator (serve_client.py) in `processes` processes of its own: each request's
-    timings, the wall time, and each process's CPU seconds."""
+    timings, the wall time, each process's CPU seconds, and the clients' start (perf_counter)."""
     with tempfile.TemporaryDirectory() as tmp:
         wl.save(Path(tmp) / "workload.json")
         cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", model]
@@ -295,7 +314,8 @@ def _clients(url: str, model: str, wl, clients: int, api_key: str | None, proces
         if done.returncode != 0:
             raise EvalError(f"the clients failed: {done.stderr.strip()[-2000:]}")
         data = json.loads((Path(tmp) / "timings.json").read_text())
-    return [RequestTiming(**t) for t in data["timings"]], data["wall_s"], data["cpu_s"]
+    timings = [RequestTiming(**t) for t in data["timings"]]
+    return timings, data["wall_s"], data["cpu_s"], data["t0"]
 
 
 def _options(pairs: list[str]) -> dict:
@@ -359,7 +379,7 @@ def cmd_serve_bench(args, save) -> int:
         profiles = []  # --cprofile: step() tables of this workload's runs
         if args.url:
             model_name = args.served_model_name or args.model
-            timings, wall, client_cpu = _clients(
+            timings, wall, client_cpu, _t0 = _clients(
                 args.url, model_name, wl, clients, args.api_key, args.client_processes
             )
             runs.append(BackendRun("server", clients, timings, wall))
@@ -457,6 +477,15 @@ def _engine_line(off: dict, srv: dict) -> str:
             f"{1000 * a['step_cpu_s'] / a['num_steps']:.2f}), after: {n} steps, "
             f"{1000 * (s['step_s'] - a['step_s']) / n:.2f} ms (CPU "
             f"{1000 * (s['step_cpu_s'] - a['step_cpu_s']) / n:.2f})"
+        )
+    tl = s.get("timeline")
+    if tl:
+        line += (
+            f"; from the clients' start: first request in the engine at "
+            f"{1000 * tl['first_in_s']:.1f} ms, the last at {1000 * tl['last_in_s']:.1f}, "
+            f"last step done at {1000 * tl['last_step_s']:.1f}, last token read at "
+            f"{1000 * srv['wall_s']:.1f}; the loop outside step() "
+            f"{1000 * tl['outside_step_s']:.1f} ms over {tl['num_steps']} steps"
         )
     if s.get("thread_cpu_s"):
         t = s["thread_cpu_s"]

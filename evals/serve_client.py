@@ -147,7 +147,9 @@ def _one(args, requests: list[dict]) -> dict:
     t0 = args.start_at if args.start_at is not None else time.perf_counter()
     cpu0 = time.process_time()
     timings, wall = asyncio.run(run(args.url, args.model, requests, args.clients, args.api_key, t0))
-    return {"timings": timings, "wall_s": wall, "cpu_s": [time.process_time() - cpu0]}
+    # t0: the clients' start on time.perf_counter()'s clock (CLOCK_MONOTONIC on Linux, the
+    # server's clock too), for a timeline of the run against the engine's own timestamps
+    return {"timings": timings, "wall_s": wall, "cpu_s": [time.process_time() - cpu0], "t0": t0}
 
 
 def _split(args, requests: list[dict]) -> dict:
@@ -178,6 +180,7 @@ def _split(args, requests: list[dict]) -> dict:
         "timings": timings,
         "wall_s": max(part["wall_s"] for part in parts),
         "cpu_s": [c for part in parts for c in part["cpu_s"]],
+        "t0": start_at,
     }
 
 

@@ -98,6 +98,11 @@ def test_serve_bench_engine_process(tmp_path, capsys):
     assert 5 <= extra["num_steps"] and 1 <= extra["num_handoffs"]
     assert extra["step_s"] >= extra["step_cpu_s"] > 0
     assert extra["thread_cpu_s"]["engine"] >= extra["step_cpu_s"] * 0.9
+    # the run on the clients' clock: requests in, then the last step, then the last token read
+    tl = extra["timeline"]
+    assert 0 <= tl["first_in_s"] <= tl["last_in_s"] <= tl["last_step_s"] <= proc["wall_s"]
+    assert 0 <= tl["outside_step_s"] < tl["last_step_s"] and tl["num_steps"] >= 5
+    assert "first request in the engine at" in out
 
 
 def test_serve_bench_cprofile_tables_for_both_sides(tmp_path, capsys):

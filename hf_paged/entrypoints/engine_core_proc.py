@@ -149,6 +149,7 @@ class _CoreLoop:
         self.step_cpu_s = 0.0
         self.first_add: tuple | None = None
         self.last_add: tuple | None = None
+        self.last_step_end: float | None = None  # time.perf_counter() after the latest step
 
     def run(self) -> None:
         engine, inbox = self.engine, self.inbox
@@ -172,7 +173,8 @@ class _CoreLoop:
             except BaseException:
                 self.sender.put((DEAD, traceback.format_exc()))
                 return
-            self.step_s += time.perf_counter() - t
+            self.last_step_end = time.perf_counter()
+            self.step_s += self.last_step_end - t
             self.step_cpu_s += time.thread_time() - cpu
             self.num_steps += 1
             now = time.monotonic()
@@ -233,6 +235,7 @@ class _CoreLoop:
                 "step_cpu_s": self.step_cpu_s,
                 "first_add": self.first_add,
                 "last_add": self.last_add,
+                "last_step_end": self.last_step_end,
                 "thread_cpu_s": time.thread_time(),  # the step loop thread's, since it started
                 "thread_run_delay_s": _run_delay(),  # and its waits for a core (Linux)
             },
