@@ -1,6 +1,7 @@
 """Multi-LoRA through the stacked slot buffers (hf_paged/lora/slots.py), CPU, float32: the
 Triton kernels (interpreted) inside an engine step give peft's tokens; more adapters than slots
-over time reuse slots, more at once are refused at add_request; max_lora_rank and max_loras are
+over time reuse slots, more at once wait for a seat (refused at add_request only with two Engines
+on the model); max_lora_rank and max_loras are
 validated; a removed adapter finishes its running requests and frees its slot; torch.compile runs
 the LoRA path with one graph; the buffers leave with the engine."""
 
@@ -76,29 +77,72 @@ def test_more_adapters_over_time_than_slots_reuse_them(peft_model):
     eng.shutdown()
 
 
-def test_more_adapters_at_once_than_slots_are_refused(peft_model):
+def test_more_adapters_at_once_than_slots_wait_for_a_seat(peft_model):
+    # vLLM's max_loras per step: requests of a third adapter wait in the queue until a running
+    # adapter's requests have ended; the base model and the running adapters go on meanwhile
     model = peft_model()
-    prompts = _prompts([5, 6, 7], seed=3)
+    prompts = _prompts([5, 6, 7, 4, 8], seed=3)
+    names = ["math", "chat", None, "code", "math"]
     eng = Engine(model, max_loras=2)
-    first = eng.add_request(prompts[0], _params("math"))
-    eng.add_request(prompts[1], _params("math"))  # the same adapter: no new slot
-    eng.add_request(prompts[1], _params(None))  # the base model takes no slot
-    eng.add_request(prompts[1], _params("chat"))
-    with pytest.raises(ValueError, match=r"adapter: 3 distinct LoRA adapters.*max_loras \(2\)"):
-        eng.add_request(prompts[2], _params("code"))
-    with pytest.raises(ValueError, match="max_loras"):  # a batch is refused whole
-        eng.generate(prompts, [_params(n) for n in ["math", "code", "chat"]])
+    ids = [eng.add_request(p, _params(n, 6 if n == "chat" else 4)) for p, n in zip(prompts, names)]
+    steps = []  # the adapters of every scheduled step
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append({r.sampling_params.adapter for r in out.requests} - {None})
+        return out
+
+    eng.scheduler.schedule = recorded
     done = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
-            done[o.request_id] = o.output_token_ids
-    assert len(done) == 4 and done[first] == peft_generate_alone(model, prompts[0], "math", 5)
-    # once they have finished, the third adapter is welcome
-    assert eng.generate([prompts[2]], _params("code"))[0].output_token_ids == peft_generate_alone(
-        model, prompts[2], "code", 5
-    )
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+    assert max(len(s) for s in steps) == 2  # never a third adapter in a step
+    assert steps[0] == {"math", "chat"}  # code waited, the last math request did not
+    assert any("code" in s for s in steps)  # and it ran once a seat was free
+    for rid, prompt, name in zip(ids, prompts, names):
+        n = 6 if name == "chat" else 4
+        assert done[rid] == peft_generate_alone(model, prompt, name, n), name
     eng.check_invariants()
     eng.shutdown()
+
+
+def test_a_removed_adapter_nobody_needs_does_not_hold_the_only_seat(peft_model):
+    # max_loras=1: the removed adapter's slot is kept only while requests of it may still run
+    model = peft_model()
+    prompt = _prompts([6], seed=11)[0]
+    eng = Engine(model, max_loras=1)
+    eng.generate([prompt], _params("chat"))
+    assert set(eng.core.lora.slots.slot_of) == {"chat"}
+    model.delete_adapter("chat")
+    got = eng.generate([prompt], _params("math"))[0].output_token_ids
+    assert got == peft_generate_alone(model, prompt, "math", 5)
+    assert set(eng.core.lora.slots.slot_of) == {"math"}
+    eng.shutdown()
+
+
+def test_with_two_engines_on_a_model_too_many_live_adapters_are_refused(peft_model):
+    # their schedulers do not see each other's waiting requests: admission keeps at most
+    # max_loras adapters live over both, and refuses the rest (a batch whole)
+    model = peft_model()
+    prompts = _prompts([5, 6, 7], seed=4)
+    first, second = Engine(model, max_loras=2), Engine(model)
+    first.add_request(prompts[0], _params("math"))
+    second.add_request(prompts[1], _params("chat"))
+    with pytest.raises(ValueError, match=r"adapter: 3 distinct LoRA adapters.*max_loras \(2\)"):
+        second.add_request(prompts[2], _params("code"))
+    with pytest.raises(ValueError, match="max_loras"):
+        first.generate(prompts, [_params(n) for n in ["math", "code", None]])
+    second.shutdown()  # one Engine left: its scheduler queues what does not fit
+    got = first.generate(prompts[1:], [_params("chat"), _params("code")])
+    assert [o.output_token_ids for o in got] == [
+        peft_generate_alone(model, prompts[1], "chat", 5),
+        peft_generate_alone(model, prompts[2], "code", 5),
+    ]
+    first.check_invariants()
+    first.shutdown()
 
 
 def test_ranks_beyond_max_lora_rank_are_refused(peft_model, lora_b):

@@ -2,10 +2,11 @@
 adapters saved to disk, lists each in /v1/models beside the base, and runs a request's `model`
 with its adapter: greedy output equal to the offline Engine with that adapter (and to peft's own
 generate), streaming and not, completions and chat; an unknown name is a 404 in OpenAI's shape;
-more live adapters than max_loras is a 429; per-adapter counts in /metrics."""
+a request of an adapter beyond max_loras waits for a seat; per-adapter counts in /metrics."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import urllib.request
 
@@ -160,25 +161,29 @@ def test_unknown_model_is_a_404_and_serving_goes_on(client):
     assert r.usage.completion_tokens >= 1
 
 
-def test_more_live_adapters_than_slots_is_a_429(client):
-    """max_loras=1: while a math request runs, a code request cannot be given a slot."""
+def test_an_adapter_beyond_the_slots_waits_for_a_seat(client):
+    """max_loras=1: while a math request runs, a code request waits (vLLM's max_loras per
+    step); math and base requests run beside it; the code request runs once math's has ended."""
     held = client.completions.create(
         model="math", prompt="hold", max_tokens=100, extra_body={"ignore_eos": True}, stream=True
     )
-    next(iter(held))  # it runs
-    with pytest.raises(openai.RateLimitError) as err:
-        client.completions.create(model="code", prompt="hi", max_tokens=2)
-    assert (
-        err.value.body["code"] == "too_many_adapters" and "max_loras" in err.value.body["message"]
-    )
-    client.completions.create(model="math", prompt="hi", max_tokens=2)  # its own adapter runs
-    client.completions.create(model="base", prompt="hi", max_tokens=2)  # so does the base
-    held.close()
+    chunks = iter(held)
+    next(chunks)  # it runs
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.completions.create, model="code", prompt="hi", max_tokens=2)
+        client.completions.create(model="math", prompt="hi", max_tokens=2)  # its own adapter runs
+        client.completions.create(model="base", prompt="hi", max_tokens=2)  # so does the base
+        for _ in range(5):
+            next(chunks)
+        assert not waiting.done()  # no seat while math's request runs
+        held.close()  # math's request ends (aborted): code gets the slot
+        assert waiting.result(timeout=60).usage.completion_tokens >= 1
 
 
 def test_metrics_count_requests_per_adapter(client, served):
     _, server, _ = served
-    client.completions.create(model="code", prompt="count me", max_tokens=3)
+    for name in ("base", "math", "code"):  # (whatever ran before in this server)
+        client.completions.create(model=name, prompt="count me", max_tokens=3)
     req = urllib.request.Request(
         server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}
     )

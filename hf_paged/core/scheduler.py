@@ -15,6 +15,7 @@ import itertools
 from collections import deque
 
 from hf_paged.config import EngineConfig
+from hf_paged.core.adapter_seats import AdapterSeats, held_back
 from hf_paged.core.compiling_requests import CompilingRequests
 from hf_paged.core.kv_cache_manager import KVCacheManager
 from hf_paged.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -107,6 +108,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.released_req_ids: list[str] = []  # see take_released_req_ids
         self.compiling = CompilingRequests()  # structured output: grammars not compiled yet
+        self.lora_room = None  # a PeftModel's: LoraRouting.room (core/adapter_seats.py)
         # speculative decoding with a draft model: slots each step reserves past its tokens
         self.num_lookahead_tokens = (
             config.num_speculative_tokens if config.draft_model is not None else 0
@@ -229,15 +231,16 @@ class Scheduler:
             # Seats promised to siblings of running parents that have not forked yet: they join
             # running when the parent's prompt is computed, so they count against max_num_seqs.
             reserved = sum(len(r.pending_siblings) for r in self.running if r.pending_siblings)
-            compiling: list[Request] = []  # skipped this step: their grammar is not ready
+            skipped: list[Request] = []  # held back this step (grammar compiling, no LoRA seat)
+            adapters = AdapterSeats(self.lora_room, self.running) if self.lora_room else None
             while (
                 len(self.waiting)
                 and budget > 0
                 and len(self.running) + reserved < self.max_num_seqs
             ):
                 request = self.waiting.peek()
-                if request.grammar is not None and not request.grammar.ready:
-                    compiling.append(self.waiting.pop())  # those behind it go on
+                if held_back(request, adapters):
+                    skipped.append(self.waiting.pop())  # those behind it go on
                     continue
                 seats = 1 + len(request.pending_siblings or ())
                 if len(self.running) + reserved + seats > self.max_num_seqs:
@@ -261,7 +264,7 @@ class Scheduler:
                 reserved += seats - 1
                 self._add_to_batch(out, request, num_new)
                 budget -= num_new
-            for request in reversed(compiling):  # back in their places
+            for request in reversed(skipped):  # back in their places
                 self.waiting.prepend(request)
         self._finish_batch(out)
         return out

@@ -55,6 +55,8 @@ class EngineCore:
                 self.runner.num_blocks, config.block_size, config.enable_prefix_caching
             )
             self.scheduler = Scheduler(config, self.kv)
+            if lora is not None:  # at most max_loras adapters running at once; the rest wait
+                self.scheduler.lora_room = lora.room
             self.output_processor = OutputProcessor(self.scheduler, tokenizer)
         self.num_steps = 0
         self.peak_blocks_used = 0
@@ -65,6 +67,12 @@ class EngineCore:
         self._last_step_end: float | None = None  # when the last step returned outputs
         self._decode_only = False  # the last scheduled step had no prefill tokens
         self._verified = False  # the last scheduled step verified proposals
+
+    def shutdown(self) -> None:
+        """The runner's KV cache and graphs go; its rows no longer hold LoRA slots."""
+        if self.lora is not None:
+            self.lora.detach(self.runner.input_batch)
+        self.runner.shutdown()
 
     def release_rows(self) -> None:
         """The runner drops what it holds for requests that left the running set (whatever

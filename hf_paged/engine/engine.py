@@ -350,7 +350,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-            self.runner.shutdown()
+            self.core.shutdown()
             self.inputs.shutdown()  # its grammar compiler's thread
             self._release_model()
 

@@ -5,8 +5,8 @@ base model under model_name and each of the engine's PeftModel adapters under a 
 own, chosen by a request's `model`. Its lifespan starts the engine loop thread on the
 server's event loop and stops it at shutdown. Every error a client can cause is a JSON body
 {"error": {"message", "type", "param", "code"}} with the status OpenAI uses (400 bad input,
-401 API key, 404 unknown model or route, 413 body too large, 429 queue full or more live
-adapters than max_loras); the server keeps serving after any of them.
+401 API key, 404 unknown model or route, 413 body too large, 429 queue full); the server keeps
+serving after any of them.
 """
 
 from __future__ import annotations

@@ -5,10 +5,13 @@ name, how many may be live at once, and which slot each one's tokens use in a st
   after start-up count), fits max_lora_rank, and its layers are routed (an adapter loaded later
   may target modules no adapter targeted before: peft wraps them, and they are routed here before
   the request is admitted, so no step runs its tokens through an unrouted layer).
-- admitting(requests, ...), around queueing requests: at most max_loras distinct adapters among
-  live requests (running, waiting or queued), so every step finds a slot for each adapter it
-  runs; beyond that the request is refused with a ValueError naming max_loras (the scheduler
-  does not hold requests back by adapter).
+- room(name, running), from the scheduler (core/adapter_seats.py): whether a waiting request of
+  that adapter may start, at most max_loras distinct adapters running at once (vLLM's max_loras
+  per step), so every step finds a slot for each adapter it runs; the others wait.
+- admitting(requests, ...), around queueing requests: tracks the live requests' adapters. With
+  more than one Engine on the model (their schedulers do not see each other's waiting
+  requests), more than max_loras distinct adapters among live requests (running, waiting or
+  queued) are refused with a ValueError naming max_loras instead.
 - slots_for(names, running), once per step from the runner's side: LoraSlots.resolve.
 """
 
@@ -127,7 +130,7 @@ class LoraRouting:
                 self._prune()  # (only ever fewer)
             live = set(self._count)
             names = live | set(wanted.values())
-            if len(names) > self.max_loras:
+            if len(names) > self.max_loras and len(self._batches) > 1:
                 raise ValueError(
                     f"adapter: {len(names)} distinct LoRA adapters would be live at once "
                     f"({sorted(names)}; running or waiting: {sorted(live)}), more than max_loras "
@@ -149,6 +152,23 @@ class LoraRouting:
         adapters keep their slots."""
         self._batches.add(input_batch)
         input_batch.lora = self
+
+    def detach(self, input_batch) -> None:
+        """An Engine on the model shut down: its rows no longer hold slots."""
+        self._batches.discard(input_batch)
+
+    def room(self, name: str, running: set[str]) -> bool:
+        """Whether a request of adapter `name` may start beside the adapters running: the
+        calling Engine's (`running`, with those its step starts), every Engine's rows on the
+        model, and removed adapters whose slots are kept for their waiting requests."""
+        busy = set(running)
+        for ib in list(self._batches):
+            busy.update(ib.adapter[row] for row in ib.req_to_row.values())
+        busy.discard(None)
+        kept = self.slots.kept_for_removed()
+        if kept:  # (a removed adapter no request needs any more frees its slot at the next step)
+            busy |= kept & self._live_adapters()
+        return name in busy or len(busy) < self.max_loras
 
     def slots_for(self, names: set[str]) -> dict[str, int]:
         running = set()

@@ -165,6 +165,12 @@ class LoraSlots:
             out[name] = slot
         return out
 
+    def kept_for_removed(self) -> set[str]:
+        """Adapters peft has removed that still hold a slot (kept while requests of theirs may
+        run: peft cannot give the weights again)."""
+        present = set(getattr(self.model, "peft_config", {}) or {})
+        return {n for n in self.slot_of if n not in present}
+
     def _replaced(self, name: str) -> bool:
         probe = self._probe.get(name)
         if probe is None:
