@@ -36,8 +36,6 @@ def _submit_error(exc: Exception) -> APIError:
         return APIError(429, str(exc), None, "rate_limit_error", "queue_full")
     if isinstance(exc, EngineDead):
         return APIError(503, str(exc), None, "server_error", "engine_dead")
-    if "max_loras" in str(exc):  # two Engines on one model: adapters beyond the slots
-        return APIError(429, str(exc), "model", "rate_limit_error", "too_many_adapters")
     return APIError(400, str(exc), _param_of(str(exc)))
 
 
