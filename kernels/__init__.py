@@ -20,7 +20,7 @@ from .lora import (
     lora_shrink,
     lora_shrink_ref,
 )
-from .lora_epilogue import LoraEpilogue
+from .lora_epilogue import LoraEpilogue, lora_rows_shrink
 from .paged_attention import paged_attention, paged_attention_ref
 from .qkv_rope import norm_qkv_rope, norm_qkv_rope_ref
 from .residual_norm import residual_rms_norm, residual_rms_norm_ref
@@ -36,6 +36,7 @@ __all__ = [
     "fused_gemv_ref",
     "lora_expand",
     "lora_expand_ref",
+    "lora_rows_shrink",
     "lora_segments",
     "lora_shrink",
     "lora_shrink_ref",

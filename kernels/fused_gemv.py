@@ -41,7 +41,13 @@ import triton.language as tl
 from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F401 (re-exported)
 from .gemv_tiles import tile_config
 from .kv_write import check_launchable, interpreting
-from .lora_epilogue import LoraEpilogue, lora_delta, lora_launch_args
+from .lora_epilogue import (
+    LoraEpilogue,
+    lora_launch_args,
+    lora_prefetch,
+    lora_row_delta,
+    lora_s_row,
+)
 
 try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -195,7 +201,8 @@ def _fused_gemv_kernel(
     SCALED: tl.constexpr,
     NORM_OUT: tl.constexpr,
     LORA_SLICES: tl.constexpr,  # 0: no LoRA; GATED: 2 (gate, up)
-    LORA_BLOCK_R: tl.constexpr,
+    LORA_SPLIT_PAD: tl.constexpr,
+    LORA_SR_PAD: tl.constexpr,
     LORA_RMS: tl.constexpr,  # the shrink took x * g: each row's delta input times 1 / rms
 ):
     # Each program holds its whole [BLOCK_N, K] weight tile in registers: the weight loads are
@@ -223,19 +230,42 @@ def _fused_gemv_kernel(
         g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if LORA_SLICES:  # slots, B and scales before the wait (lora_prefetch says why)
+        if GATED:  # gate rows: slice 0, up rows: slice 1
+            l_slots, l_b, l_sc = lora_prefetch(lb_ptr, stride_lbs, stride_lbn, lsc_ptr,
+                                               stride_lsc, lslot_ptr, M, offs_n, n_mask, LORA_E0,
+                                               LORA_E1, LORA_R, 0, 1, BLOCK_M,
+                                               LORA_SR_PAD)  # fmt: skip
+            _, l_b2, l_sc2 = lora_prefetch(lb2_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc,
+                                           lslot_ptr, M, offs_n, n_mask, LORA_E0, LORA_E1,
+                                           LORA_R, 1, 1, BLOCK_M, LORA_SR_PAD)  # fmt: skip
+        else:
+            l_slots, l_b, l_sc = lora_prefetch(lb_ptr, stride_lbs, stride_lbn, lsc_ptr,
+                                               stride_lsc, lslot_ptr, M, offs_n, n_mask, LORA_E0,
+                                               LORA_E1, LORA_R, 0, LORA_SLICES, BLOCK_M,
+                                               LORA_SR_PAD)  # fmt: skip
     if PDL:
         gdc_wait()  # x, rows and residual come from earlier kernels
     # row m + 1's inputs are loaded before row m is computed: with a runtime check around each
     # row, its loads could only start after the row before it was stored (one round trip a row)
     x_next, r_next = _row_inputs(x_ptr, rows_ptr, r_ptr, 0, M, stride_xm, stride_rm, offs_k,
                                  k_mask, offs_n, n_mask, GATHER, RESIDUAL)  # fmt: skip
+    if LORA_SLICES:  # the shrink's output comes from the previous kernel: loaded with x
+        ls_next = lora_s_row(ls_ptr, 0, M, LORA_SPLIT, stride_lss, stride_lsm,
+                             LORA_SLICES * LORA_R, LORA_SPLIT_PAD, LORA_SR_PAD)  # fmt: skip
     for m in tl.static_range(BLOCK_M):
         x_raw, res = x_next, r_next
+        if LORA_SLICES:
+            ls_row = ls_next
         if m + 1 < BLOCK_M:
             x_next, r_next = _row_inputs(
                 x_ptr, rows_ptr, r_ptr, m + 1, M, stride_xm, stride_rm, offs_k, k_mask, offs_n,
                 n_mask, GATHER, RESIDUAL,
             )  # fmt: skip
+            if LORA_SLICES:
+                ls_next = lora_s_row(ls_ptr, m + 1, M, LORA_SPLIT, stride_lss, stride_lsm,
+                                     LORA_SLICES * LORA_R, LORA_SPLIT_PAD,
+                                     LORA_SR_PAD)  # fmt: skip
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = x_raw.to(tl.float32)
             row_scale = 1.0  # of the LoRA shrink's rows (LORA_RMS: x * g, not yet / rms)
@@ -253,24 +283,12 @@ def _fused_gemv_kernel(
             y = weight_dot(w, x, ws, SCALED, K_PAD)  # [BLOCK_N]
             if HAS_BIAS:
                 y += bias
-            if LORA_SLICES:
-                slot = tl.load(lslot_ptr + m)
-                adapted = slot >= 0
-                slot = tl.maximum(slot, 0)  # rows of no adapter: computed, then not used
-                if GATED:  # gate rows: slice 0, up rows: slice 1
-                    d = lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
-                                    stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
-                                    n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0, 1,
-                                    LORA_BLOCK_R)  # fmt: skip
-                    d2 = lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb2_ptr,
-                                     stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
-                                     n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 1, 1,
-                                     LORA_BLOCK_R)  # fmt: skip
+            if LORA_SLICES:  # rows of no adapter: B and scale zero, the delta not used
+                ldt = lb_ptr.dtype.element_ty
+                d, adapted = lora_row_delta(l_slots, l_b, l_sc, ls_row, m, row_scale, ldt)
+                if GATED:
+                    d2, _ = lora_row_delta(l_slots, l_b2, l_sc2, ls_row, m, row_scale, ldt)
                 else:
-                    d = lora_delta(ls_ptr, m, LORA_SPLIT, stride_lss, stride_lsm, lb_ptr,
-                                    stride_lbs, stride_lbn, lsc_ptr, stride_lsc, slot, offs_n,
-                                    n_mask, LORA_E0, LORA_E1, LORA_R, row_scale, 0,
-                                    LORA_SLICES, LORA_BLOCK_R)  # fmt: skip
                     # peft: the base product rounded, plus the delta, rounded again
                     y = y.to(dt).to(tl.float32)
                     y = tl.where(adapted, (y + d).to(dt).to(tl.float32), y)
@@ -460,7 +478,8 @@ def fused_gemv(
         SCALED=scaled,
         NORM_OUT=norm_out is not None,
         LORA_SLICES=lora_args["slices"],
-        LORA_BLOCK_R=lora_args["block_r"],
+        LORA_SPLIT_PAD=lora_args["split_pad"],
+        LORA_SR_PAD=lora_args["sr_pad"],
         LORA_RMS=lora is not None and lora.rms,
         **cfg,
     )

@@ -23,7 +23,7 @@ over its slices' A stacked along the rank ([S, slices * R, in]) and one expand o
 `slices` gives each slice's width, B is [S, sum(widths), R] (each output column reads its own
 slice's R columns of the shrink's output) and scale [slices, S]. Expand tiles never straddle two
 slices, so each program still makes one dot. The small-batch forward adds the same deltas inside
-its GEMVs instead (kernels/fused_gemv.py, LoraEpilogue): one shrink launch per group, no expand.
+its GEMVs instead (kernels/lora_epilogue.py): one shrink launch per group, no expand.
 """
 
 from __future__ import annotations
@@ -37,12 +37,6 @@ import triton.language as tl
 from .kv_write import check_launchable
 from .lora_epilogue import MAX_SLICES, LoraEpilogue, lora_epilogue_ref  # noqa: F401 (re-exported)
 
-try:  # Triton >= 3.3: programmatic dependent launch (see kernels/fused_gemv.py)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton: pdl stays off
-    gdc_launch_dependents = gdc_wait = None
-
-
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -55,7 +49,6 @@ def _lora_shrink_kernel(
     out_ptr,  # f32 [SPLIT_K, T, R]
     sorted_ptr,  # int32 [T] token indices grouped by slot
     start_ptr,  # int32 [S + 1] slot s owns sorted_tokens[start[s]:start[s + 1]]
-    nw_ptr,  # [K] RMSNorm weight (NORM)
     K,
     R,
     stride_xt,
@@ -69,13 +62,7 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_PLUS_ONE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # the next GEMV may load its weights now; it waits for our output itself
-        gdc_launch_dependents()
-        gdc_wait()  # x and the segments come from earlier kernels
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot = tl.program_id(2)
@@ -99,11 +86,6 @@ def _lora_shrink_kernel(
                 mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )
-            if NORM:  # x * g: the row's 1 / rms is the GEMV's to multiply by (see lora_shrink)
-                g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                if NORM_PLUS_ONE:
-                    g = 1.0 + g
-                xt = xt.to(tl.float32) * g[None, :]
             at = tl.load(
                 a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
                 mask=r_mask[:, None] & k_mask[None, :],
@@ -248,16 +230,6 @@ def _split_k(num_tokens: int, k: int, block_m: int, block_k: int) -> int:
     return max(1, min(k // (4 * block_k), 128 // tiles))
 
 
-def _check_norm(norm_weight, k: int, x: torch.Tensor) -> None:
-    if norm_weight is not None and (
-        norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1
-    ):
-        raise ValueError(
-            f"norm_weight must be contiguous [{k}] of {x.dtype}, got {norm_weight.dtype} "
-            f"{tuple(norm_weight.shape)}"
-        )
-
-
 def lora_shrink(
     x: torch.Tensor,  # [T, in]
     a_stack: torch.Tensor,  # [S, R, in]
@@ -265,16 +237,9 @@ def lora_shrink(
     slot_start: torch.Tensor,  # int32 [S + 1]
     *,
     split_k: int | None = None,
-    norm_weight: torch.Tensor | None = None,
-    norm_plus_one: bool = False,
-    pdl: bool = False,
 ) -> torch.Tensor:  # f32 [SPLIT_K, T, R]; rows of tokens without an adapter are not written
     """x @ A[slot]^T for each token with a slot, as SPLIT_K partial sums (lora_expand sums
-    them). norm_weight: (x * norm_weight) @ A[slot]^T (x * (1 + norm_weight) with
-    norm_plus_one), RMSNorm(x) @ A[slot]^T but for each row's 1 / rms, which a NORM
-    fused_gemv computes for the row anyway and multiplies in (LoraEpilogue.rms): a program
-    then reads only its split of the row, where computing the rms here would walk each whole
-    row first. pdl: programmatic dependent launch between the small-batch GEMVs (sm_90+)."""
+    them). The small-batch forward's few rows take lora_epilogue.lora_rows_shrink instead."""
     _check_stack("x", x, 2)
     _check_stack("a_stack", a_stack)
     check_launchable(x, "x")
@@ -283,7 +248,6 @@ def lora_shrink(
     if k_a != k or a_stack.device != x.device:
         raise ValueError(f"a_stack {tuple(a_stack.shape)} does not fit x {tuple(x.shape)}")
     _check_segments(sorted_tokens, slot_start, t, num_slots)
-    _check_norm(norm_weight, k, x)
     block_m = 16 if t <= 256 else 64
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     split = split_k or _split_k(t, k, block_m, block_k)
@@ -294,19 +258,13 @@ def lora_shrink(
         return out
     grid = (triton.cdiv(t, block_m), split, num_slots)
     _lora_shrink_kernel[grid](
-        x, a_stack, out, sorted_tokens, slot_start,
-        norm_weight if norm_weight is not None else x,
-        k, r, x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0),
-        out.stride(1), k_per_split,
+        x, a_stack, out, sorted_tokens, slot_start, k, r, x.stride(0), a_stack.stride(0),
+        a_stack.stride(1), out.stride(0), out.stride(1), k_per_split,
         BLOCK_M=block_m,
         BLOCK_R=max(16, triton.next_power_of_2(r)),
         BLOCK_K=block_k,
         DOT_PRECISION=_precision(a_stack),
         DOT_UPCAST=_upcast(a_stack),
-        NORM=norm_weight is not None,
-        NORM_PLUS_ONE=norm_plus_one,
-        PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -394,8 +352,8 @@ def lora_shrink_ref(
     norm_weight: torch.Tensor | None = None,
     norm_plus_one: bool = False,
 ) -> torch.Tensor:  # f32 [T, R]; zero where a token has no slot
-    """x @ A[slot]^T per token (of x * norm_weight with norm_weight, as lora_shrink), in the
-    adapters' dtype: each used slot's tokens gathered (the engine runs this inside an opaque
+    """x @ A[slot]^T per token (of x * norm_weight with norm_weight, as lora_rows_shrink), in
+    the adapters' dtype: each used slot's tokens gathered (the engine runs this inside an opaque
     custom op, so the data-dependent shapes never reach torch.compile or a graph)."""
     if norm_weight is not None:
         x = x.float() * (norm_weight.float() + (1.0 if norm_plus_one else 0.0))

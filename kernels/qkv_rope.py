@@ -33,7 +33,13 @@ from .fused_gemv import (
 )
 from .gemv_tiles import ELEMS_PER_THREAD, MAX_WARPS, fp8_tile_config
 from .kv_write import check_kv_cache_pair, check_launchable
-from .lora_epilogue import LoraEpilogue, lora_delta, lora_launch_args
+from .lora_epilogue import (
+    LoraEpilogue,
+    lora_launch_args,
+    lora_prefetch,
+    lora_row_delta,
+    lora_s_row,
+)
 from .rope_kv import rope_write_kv_ref, rotate_halves
 
 
@@ -104,7 +110,8 @@ def _norm_qkv_rope_kernel(
     PDL: tl.constexpr,
     SCALED: tl.constexpr,
     LORA: tl.constexpr,
-    LORA_BLOCK_R: tl.constexpr,
+    LORA_SPLIT_PAD: tl.constexpr,
+    LORA_SR_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL:
@@ -142,6 +149,14 @@ def _norm_qkv_rope_kernel(
     cos = tl.load(cos_ptr + cs_off).to(tl.float32)
     sin = tl.load(sin_ptr + cs_off).to(tl.float32)
     slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
+    if LORA:  # the adapters' slots, B and scales likewise (lora_prefetch)
+        every = rows1 >= 0
+        l_slots, l_b1, l_sc1 = lora_prefetch(lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc,
+                                             lslot_ptr, M, rows1, every, LORA_E0, LORA_E1,
+                                             LORA_R, 0, 3, BLOCK_M, LORA_SR_PAD)  # fmt: skip
+        _, l_b2, l_sc2 = lora_prefetch(lb_ptr, stride_lbs, stride_lbn, lsc_ptr, stride_lsc,
+                                       lslot_ptr, M, rows2, every, LORA_E0, LORA_E1, LORA_R, 0,
+                                       3, BLOCK_M, LORA_SR_PAD)  # fmt: skip
     if PDL:
         gdc_wait()  # x comes from the previous kernel
     # the projection's outputs of every row, in the model dtype (as f32): [BLOCK_M, PAIRS]
@@ -150,11 +165,19 @@ def _norm_qkv_rope_kernel(
     # row m + 1's x is loaded before row m is computed (a masked load, no branch), as in
     # fused_gemv: behind a runtime check it waited for the row before
     x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+    if LORA:  # the shrink's output, from the previous kernel: loaded with x
+        ls_next = lora_s_row(ls_ptr, 0, M, LORA_SPLIT, stride_lss, stride_lsm, 3 * LORA_R,
+                             LORA_SPLIT_PAD, LORA_SR_PAD)  # fmt: skip
     for m in tl.static_range(BLOCK_M):
         x_raw = x_next
+        if LORA:
+            ls_row = ls_next
         if m + 1 < BLOCK_M:
             row_mask = _row_mask(k_mask, offs_k, m + 1, M)
             x_next = tl.load(x_ptr + (m + 1) * stride_xm + offs_k, mask=row_mask, other=0.0)
+            if LORA:
+                ls_next = lora_s_row(ls_ptr, m + 1, M, LORA_SPLIT, stride_lss, stride_lsm,
+                                     3 * LORA_R, LORA_SPLIT_PAD, LORA_SR_PAD)  # fmt: skip
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = x_raw.to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
@@ -165,54 +188,9 @@ def _norm_qkv_rope_kernel(
                 y1 += b1
                 y2 += b2
             if LORA:  # the deltas before RoPE: rounded product + delta, rounded (as peft)
-                lslot = tl.load(lslot_ptr + m)
-                adapted = lslot >= 0
-                lslot = tl.maximum(lslot, 0)
-                every = rows1 >= 0
-                d1 = lora_delta(
-                    ls_ptr,
-                    m,
-                    LORA_SPLIT,
-                    stride_lss,
-                    stride_lsm,
-                    lb_ptr,
-                    stride_lbs,
-                    stride_lbn,
-                    lsc_ptr,
-                    stride_lsc,
-                    lslot,
-                    rows1,
-                    every,
-                    LORA_E0,
-                    LORA_E1,
-                    LORA_R,
-                    inv_rms,
-                    0,
-                    3,
-                    LORA_BLOCK_R,
-                )
-                d2 = lora_delta(
-                    ls_ptr,
-                    m,
-                    LORA_SPLIT,
-                    stride_lss,
-                    stride_lsm,
-                    lb_ptr,
-                    stride_lbs,
-                    stride_lbn,
-                    lsc_ptr,
-                    stride_lsc,
-                    lslot,
-                    rows2,
-                    every,
-                    LORA_E0,
-                    LORA_E1,
-                    LORA_R,
-                    inv_rms,
-                    0,
-                    3,
-                    LORA_BLOCK_R,
-                )
+                ldt = lb_ptr.dtype.element_ty
+                d1, adapted = lora_row_delta(l_slots, l_b1, l_sc1, ls_row, m, inv_rms, ldt)
+                d2, _ = lora_row_delta(l_slots, l_b2, l_sc2, ls_row, m, inv_rms, ldt)
                 y1 = y1.to(dt).to(tl.float32)
                 y2 = y2.to(dt).to(tl.float32)
                 y1 = tl.where(adapted, (y1 + d1).to(dt).to(tl.float32), y1)
@@ -370,7 +348,8 @@ def norm_qkv_rope(
         PDL=pdl,
         SCALED=scaled,
         LORA=lora is not None,
-        LORA_BLOCK_R=lora_args["block_r"],
+        LORA_SPLIT_PAD=lora_args["split_pad"],
+        LORA_SR_PAD=lora_args["sr_pad"],
         **cfg,
     )
     return q

@@ -2,8 +2,9 @@
 interpreter, against torch references written from the definition: one shrink over a fused
 projection's stacked A (3 slices, ranks 1, 3, 5 and 6 zero-padded to 6), one expand over its
 whole product, slice widths that are not multiples of the tiles, tokens of no adapter (their
-rows bit-exact), mixed slots in one batch, the shrink's fused RMSNorm, and the GEMV epilogue
-(plain, residual, gated gate/up, 3 slices in one tile). Tiny shapes: the interpreter is slow."""
+rows bit-exact), mixed slots in one batch, the small-batch shrink (its fused RMSNorm weight) and
+the GEMV epilogue (plain, residual, gated gate/up, 3 slices in one tile) fed by either shrink.
+Tiny shapes: the interpreter is slow."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hf_paged.kernels.lora import (
     lora_shrink,
     lora_shrink_ref,
 )
+from hf_paged.kernels.lora_epilogue import lora_rows_shrink, rows_shrink_tiles
 
 RANKS = [[1, 3, 5], [6, 2, 6], [3, 3, 3]]  # per slot, per slice; padded to 6
 R = 6
@@ -94,37 +96,65 @@ def test_one_shrink_and_one_expand_over_three_slices(dtype):
         start += w
 
 
-def test_the_shrink_takes_the_norm_weight_and_leaves_the_rms_to_the_gemv():
-    k, dtype = 48, torch.bfloat16
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_rows_shrink_reads_each_rows_slot_and_splits_the_inputs(m):
+    # the small-batch forward's shrink: no grouping by slot, A's tile of row 0 before the PDL
+    # wait, partial sums over the input dimension (k 1100: 3 splits of 512 at rank 18)
+    k, dtype = 1100, torch.bfloat16
     a, _, _, _ = _group(k, (8, 8, 8), dtype)
-    slots = torch.tensor([1, -1, 0, 2], dtype=torch.int32)
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(4, k, generator=g) * 3).to(dtype)
+    assert rows_shrink_tiles(k, a.shape[1])[1] == 512
+    slots = torch.tensor([2, -1, 0, 1, 1, -1, 2, 0][:m], dtype=torch.int32)
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     w = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    segments = lora_segments(slots, len(RANKS))
-    inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
     has = slots >= 0
-    for plus_one in (False, True):
-        got = lora_shrink(x, a, *segments, norm_weight=w, norm_plus_one=plus_one)
-        want = lora_shrink_ref(x, a, slots, norm_weight=w, norm_plus_one=plus_one)
+    inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    for kw in ({}, dict(norm_weight=w), dict(norm_weight=w, norm_plus_one=True)):
+        got = lora_rows_shrink(x, a, slots, **kw)
+        assert got.shape == (3, m, 3 * R)
+        want = lora_shrink_ref(x, a, slots, **kw)
         torch.testing.assert_close(got.sum(0)[has], want[has], atol=2e-2, rtol=2e-2)
-        # times each row's 1 / rms: the shrink of the normalised rows (as the GEMV rounds them)
-        normed = lora_shrink_ref(rms_norm_ref(x, w, 1e-6, plus_one), a, slots)
-        scaled = got.sum(0) * inv_rms[:, None]
-        torch.testing.assert_close(scaled[has], normed[has], atol=3e-2, rtol=3e-2)
+        assert torch.isfinite(got).all()  # rows of no adapter are written too (slot 0's)
+        if kw:  # x * g: times each row's 1 / rms, the shrink of the normalised rows
+            normed = rms_norm_ref(x, w, 1e-6, kw.get("norm_plus_one", False))
+            want = lora_shrink_ref(normed, a, slots)
+            scaled = got.sum(0) * inv_rms[:, None]
+            torch.testing.assert_close(scaled[has], want[has], atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="slots"):
+        lora_rows_shrink(x, a, slots.long())
     with pytest.raises(ValueError, match="norm_weight"):
-        lora_shrink(x, a, *segments, norm_weight=w.float())
+        lora_rows_shrink(x, a, slots, norm_weight=w.float())
 
 
-def _epilogue(x, a, b, scale, slots, widths, norm=None, split_k=None):
-    segments = lora_segments(slots, a.shape[0])
+def test_rows_shrink_tiles_bound_the_epilogues_reads():
+    for k in (2048, 4096, 5632, 14336):
+        for sr in (16, 32, 48, 96, 192):
+            c_tile, k_per = rows_shrink_tiles(k, sr)
+            split = -(-k // k_per)
+            assert c_tile * k_per <= 8192 and c_tile >= 1
+            assert triton_pow2(split) * triton_pow2(sr) <= 2048, (k, sr)
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+SHRINKS = ["grouped", "rows"]  # lora_shrink (split_k as given), lora_rows_shrink
+
+
+def _epilogue(x, a, b, scale, slots, widths, norm=None, split_k=None, shrink="grouped"):
     kw = {} if norm is None else dict(norm_weight=norm)
-    s = lora_shrink(x, a, *segments, split_k=split_k, **kw)
+    if shrink == "rows":
+        s = lora_rows_shrink(x, a, slots, **kw)
+    else:  # x * g by hand (as lora_rows_shrink's norm_weight), in split_k partial sums
+        xg = x if norm is None else (x.float() * norm.float()).to(x.dtype)
+        s = lora_shrink(xg, a, *lora_segments(slots, a.shape[0]), split_k=split_k)
     return LoraEpilogue(s, b, scale, slots, widths, rms=norm is not None)
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_epilogue_adds_each_rows_delta_across_three_slices(dtype):
+def test_gemv_epilogue_adds_each_rows_delta_across_three_slices(dtype, shrink):
     k, widths = 200, (20, 6, 6)  # a tile of the interpreter's (32 columns) holds all three
     a, b, scale, adapters = _group(k, widths, dtype, seed=4)
     g = torch.Generator().manual_seed(5)
@@ -133,8 +163,9 @@ def test_gemv_epilogue_adds_each_rows_delta_across_three_slices(dtype):
     w = (torch.randn(sum(widths), k, generator=g) / 8).to(dtype)
     bias = torch.randn(sum(widths), generator=g).to(dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    lora = _epilogue(x, a, b, scale, slots, widths, norm, split_k=3)
-    assert lora.s.shape[0] == 2  # partial sums the epilogue adds up
+    lora = _epilogue(x, a, b, scale, slots, widths, norm, split_k=3, shrink=shrink)
+    if shrink == "grouped":
+        assert lora.s.shape[0] == 2  # partial sums the epilogue adds up
     got = fused_gemv(x, w, norm_weight=norm, eps=1e-5, bias=bias, lora=lora)
     want = fused_gemv_ref(x, w, norm_weight=norm, eps=1e-5, bias=bias, lora=lora)
     base = fused_gemv(x, w, norm_weight=norm, eps=1e-5, bias=bias)
@@ -148,8 +179,9 @@ def test_gemv_epilogue_adds_each_rows_delta_across_three_slices(dtype):
     assert not torch.allclose(got[0], base[0])
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_epilogue_gated_and_residual(dtype):
+def test_gemv_epilogue_gated_and_residual(dtype, shrink):
     k, inter = 32, 24
     g = torch.Generator().manual_seed(6)
     slots = torch.tensor([0, 2, -1], dtype=torch.int32)
@@ -158,7 +190,7 @@ def test_gemv_epilogue_gated_and_residual(dtype):
     a, b, scale, _ = _group(k, (inter, inter), dtype, seed=7)
     gate_up = (torch.randn(2 * inter, k, generator=g) / 6).to(dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    lora = _epilogue(x, a, b, scale, slots, (inter, inter), norm)
+    lora = _epilogue(x, a, b, scale, slots, (inter, inter), norm, shrink=shrink)
     kw = dict(norm_weight=norm, eps=1e-5, up_weight=gate_up[inter:])
     got = fused_gemv(x, gate_up[:inter], lora=lora, **kw)
     want = fused_gemv_ref(x, gate_up[:inter], lora=lora, **kw)
@@ -175,16 +207,17 @@ def test_gemv_epilogue_gated_and_residual(dtype):
     act = got
     res = torch.randn(3, k, generator=g).to(dtype)
     down = (torch.randn(k, inter, generator=g) / 5).to(dtype)
-    lora1 = _epilogue(act, a1[:, :R], b1, scale1, slots, (k,))
+    lora1 = _epilogue(act, a1[:, :R].contiguous(), b1, scale1, slots, (k,), shrink=shrink)
     got = fused_gemv(act, down, residual=res, lora=lora1)
     want = fused_gemv_ref(act, down, residual=res, lora=lora1)
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[2], fused_gemv(act, down, residual=res)[2])
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_qkv_rope_adds_the_qkv_deltas_before_rope(dtype, bias):
+def test_norm_qkv_rope_adds_the_qkv_deltas_before_rope(dtype, bias, shrink):
     from hf_paged.kernels import norm_qkv_rope, norm_qkv_rope_ref
 
     g = torch.Generator().manual_seed(12)
@@ -201,7 +234,7 @@ def test_norm_qkv_rope_adds_the_qkv_deltas_before_rope(dtype, bias):
     args = (torch.randint(0, 50, (3,), generator=g), angles.cos().to(dtype), angles.sin().to(dtype))
     cache_slots = torch.tensor([5, 2, 9])
     caches = [torch.zeros(4, 4, hkv, d, dtype=dtype) for _ in range(6)]
-    lora = _epilogue(x, a, b, scale, slots, widths, nw, split_k=3)
+    lora = _epilogue(x, a, b, scale, slots, widths, nw, split_k=3, shrink=shrink)
     q = norm_qkv_rope(x, w, bias_, nw, 1e-5, *args, *caches[:2], cache_slots, hq, lora=lora)
     q_ref = norm_qkv_rope_ref(
         x, w, bias_, nw, 1e-5, *args, *caches[2:4], cache_slots, hq, lora=lora
@@ -323,7 +356,6 @@ def test_gpu_gemv_epilogue_real_shapes(shape, rows, pdl):
     hidden, qkv, inter = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(rows)
     slots = torch.tensor([0, -1, 3, 7, 2, 5, -1, 1][:rows], dtype=torch.int32, device="cuda")
-    seg = lora_segments(slots, SLOTS_GPU)
     h = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
     norm = (torch.rand(hidden, generator=g, device="cuda") + 0.5).bfloat16()
 
@@ -333,7 +365,10 @@ def test_gpu_gemv_epilogue_real_shapes(shape, rows, pdl):
     def check(x, w, widths, normed, tol=(6e-2, 3e-2), **kw):
         a, b, scale = _cuda_group(x.shape[1], widths, g)
         nkw = dict(norm_weight=norm) if normed else {}
-        s = lora_shrink(x, a, *seg, pdl=pdl, **nkw)
+        s = lora_rows_shrink(x, a, slots, pdl=pdl, **nkw)  # the small-batch forward's shrink
+        mine = slots >= 0
+        want_s = lora_shrink_ref(x.float(), a.float(), slots, **nkw)
+        torch.testing.assert_close(s.sum(0)[mine], want_s[mine], atol=5e-2, rtol=2e-2)
         lora = LoraEpilogue(s, b, scale, slots, widths, rms=normed)
         if normed:
             kw.update(norm_weight=norm, eps=1e-5)
@@ -360,8 +395,8 @@ def test_gpu_gemv_epilogue_real_shapes(shape, rows, pdl):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_small_batch_lora_chain_replays_in_a_graph():
-    """shrink -> GEMV (epilogue) -> shrink -> GEMV with PDL, captured and replayed: the same
-    bits as the eager run, and a new slot assignment between replays is honoured."""
+    """rows shrink -> GEMV (epilogue) -> rows shrink -> GEMV with PDL, captured and replayed:
+    the same bits as the eager run, and a new slot assignment between replays is honoured."""
     from hf_paged.kernels.fused_gemv import pdl_available
 
     pdl = pdl_available(torch.device("cuda"))
@@ -376,10 +411,9 @@ def test_gpu_small_batch_lora_chain_replays_in_a_graph():
     slots = torch.tensor([0, -1, 5, 2], dtype=torch.int32, device="cuda")
 
     def step():
-        seg = lora_segments(slots, SLOTS_GPU)
-        s1 = lora_shrink(x, a1, *seg, pdl=pdl)
+        s1 = lora_rows_shrink(x, a1, slots, pdl=pdl)
         h = fused_gemv(x, w1, residual=x, pdl=pdl, lora=LoraEpilogue(s1, b1, sc1, slots, (hidden,)))
-        s2 = lora_shrink(h, a2, *seg, norm_weight=norm, pdl=pdl)
+        s2 = lora_rows_shrink(h, a2, slots, norm_weight=norm, pdl=pdl)
         lora = LoraEpilogue(s2, b2, sc2, slots, (inter, inter), rms=True)
         return fused_gemv(
             h, w2[:inter], up_weight=w2[inter:], norm_weight=norm, eps=1e-5, pdl=pdl, lora=lora
@@ -426,7 +460,7 @@ def test_gpu_norm_qkv_rope_lora_real_shapes(shape, rows, pdl):
     args = (pos, angles.cos().bfloat16(), angles.sin().bfloat16())
     cache_slots = torch.arange(rows, device="cuda") * 3
     caches = [torch.zeros(8, 16, hkv, d, device="cuda").bfloat16() for _ in range(6)]
-    s = lora_shrink(x, a, *lora_segments(slots, SLOTS_GPU), norm_weight=nw, pdl=pdl)
+    s = lora_rows_shrink(x, a, slots, norm_weight=nw, pdl=pdl)
     lora = LoraEpilogue(s, b, scale, slots, widths, rms=True)
     q = norm_qkv_rope(x, w, None, nw, 1e-5, *args, *caches[:2], cache_slots, hq, pdl=pdl, lora=lora)
     q_ref = norm_qkv_rope_ref(x, w, None, nw, 1e-5, *args, *caches[2:4], cache_slots, hq, lora=lora)

@@ -79,16 +79,18 @@ def test_small_batch_forward_shrinks_once_a_group_and_expands_in_the_gemvs(peft_
     eng = Engine(model, small_batch_rows=8, **ENGINE)
     fast = eng.runner.forward.small_batch
     assert fast is not None
+    from hf_paged import kernels
+
     shrinks, expands = [], []
-    real_shrink = lora_kernels.lora_shrink
+    real_shrink = kernels.lora_rows_shrink
 
     def shrink(x, a, *args, **kw):
         shrinks.append((a.shape[1], "norm_weight" in kw))
         return real_shrink(x, a, *args, **kw)
 
-    monkeypatch.setattr(lora_kernels, "lora_shrink", shrink)
+    monkeypatch.setattr(kernels, "lora_rows_shrink", shrink)  # the small-batch forward's
+    monkeypatch.setattr(lora_kernels, "lora_shrink", lambda *a, **k: expands.append(1))
     monkeypatch.setattr(lora_kernels, "lora_expand", lambda *a, **k: expands.append(1))
-    from hf_paged import kernels
 
     one_launch = []  # norm + q/k/v + RoPE + KV write: with the q/k/v deltas in it
     real_rope = kernels.norm_qkv_rope

@@ -68,13 +68,11 @@ class Layer:
         return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
 
     def small_batch(self, rows: int, lora: bool, pdl: bool):
-        from hf_paged.kernels import fused_gemv, lora_segments
-        from hf_paged.kernels.lora import LoraEpilogue, lora_shrink
+        from hf_paged.kernels import LoraEpilogue, fused_gemv, lora_rows_shrink
 
         h = torch.randn(rows, self.hidden, device="cuda").bfloat16()
         attn = torch.randn(rows, self.hidden, device="cuda").bfloat16()
         slots = _slots(rows, self.slots)
-        seg = lora_segments(slots, self.slots)  # once a step in the engine, not per group
         inter = self.inter
 
         def epilogue(x, name, normed):
@@ -82,9 +80,7 @@ class Layer:
                 return None
             a, b, scale, widths = self.groups[name]
             kw = dict(norm_weight=self.norm) if normed else {}
-            from hf_paged.worker.small_batch_forward import _shrink_split
-
-            s = lora_shrink(x, a, *seg, split_k=_shrink_split(x), pdl=pdl, **kw)
+            s = lora_rows_shrink(x, a, slots, pdl=pdl, **kw)
             return LoraEpilogue(s, b, scale, slots, widths, rms=normed)
 
         def layer():

@@ -140,10 +140,7 @@ class SmallBatchForward:
         kw = {}
         if norm is not None:  # x * g: the GEMV multiplies in each row's 1 / rms
             kw = dict(norm_weight=norm.weight, norm_plus_one=self.norm_plus_one)
-        s = self.kernels.lora.lora_shrink(
-            x, deltas.a, batch.sorted_tokens, batch.slot_start, split_k=_shrink_split(x),
-            pdl=self.pdl, **kw,
-        )  # fmt: skip
+        s = self.kernels.lora_rows_shrink(x, deltas.a, batch.token_slots, pdl=self.pdl, **kw)
         return self.kernels.LoraEpilogue(
             s, deltas.b, deltas.scale, batch.token_slots, deltas.slices, rms=norm is not None
         )
@@ -320,14 +317,6 @@ def _layer_lora(layer: Layer) -> _LayerLora | None:
     if all(p is None for p in parts) and qkv_alone is None and gate_up_alone is None:
         return None
     return _LayerLora(*parts, qkv_alone, gate_up_alone)
-
-
-def _shrink_split(x: torch.Tensor) -> int:
-    """The shrink's programs along in_features for a small step: each reads 128 columns of
-    its slot's A (two BLOCK_K steps: the shrink is on the layer's critical path, between two
-    GEMVs), and every GEMV program sums the partial products of its rows, so at most 16
-    (16 x rank floats a row and slice, read from L2). Not tuned on a GPU yet."""
-    return max(1, min(16, x.shape[1] // 128))
 
 
 def _add_deltas(y: torch.Tensor, x: torch.Tensor, wrappers: list, sizes=None) -> None:
