@@ -73,3 +73,14 @@ def test_serve_overhead_runs_offline_and_the_server_on_a_stubbed_forward():
     # the time in step() split: offline's, then each server run's
     waits = [line for line in lines if line.startswith("  in step() per step: ")]
     assert len(waits) == 3 and all("for the GIL" in w for w in waits)
+
+
+def test_lora_bench_alternates_the_base_and_the_adapters_engines_on_the_cpu():
+    args = ["--device", "cpu", "--dtype", "float32", "--shape", "smollm2-135m", "--compile", "0"]
+    args += ["--requests", "2", "--new-tokens", "2", "--rounds", "2", "--hf-batch", "0"]
+    args += ["--adapters", "2", "--rank", "4"]
+    text = _run(str(PROFILING / "lora_bench.py"), *args)
+    rounds = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rounds) == 2 and all(line.count("%") == 2 for line in rounds)
+    for name in ("1 adapter", "2 adapters, uniform"):
+        assert f"{name}: median " in text and "median of the rounds' ratios to the base" in text

@@ -2,7 +2,7 @@
 
     python evals/profiling/lora_bench.py [--shape llama-3-8b] [--adapters 8] [--rank 16]
         [--workload synthetic|FILE.json] [--requests 256] [--new-tokens 256] [--hf-batch 64]
-        [--hf-requests 128] [--passes 1] [--device cuda] [--dtype bfloat16]
+        [--hf-requests 128] [--passes 1] [--rounds 1] [--device cuda] [--dtype bfloat16]
         [engine options: --compile 0 --max-loras 8 ...]
 
 A model of the shape with random weights; W1's prompts (evals/workloads.py, the first
@@ -21,6 +21,9 @@ a subset measures the same rate in less time). Prints output tokens/s, each row 
 measured, the ratios to the base model, and the engine's ratio to transformers + peft (W1
 only), and batch 1's bandwidth bound (weight bytes / 4.2 TB/s). The targets: N adapters >= 85%
 of base, 1 adapter >= 90%, batch 1 with an adapter >= 85% of batch 1 without.
+
+--rounds N (> 1): instead, the base and the adapters' engines side by side, their batched runs
+alternated N times (interleaved() says why); no batch-1 or transformers runs.
 
 --device cpu --dtype float32 --shape smollm2-135m runs the same on the CPU (a smoke test).
 """
@@ -121,6 +124,12 @@ def main() -> None:
     parser.add_argument(
         "--passes", type=int, default=1, help="timed passes per engine run (the last reported)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="> 1: the base and the adapters' engines both kept, their runs alternated this "
+        "many rounds (medians reported; each engine gets --memory-share of the GPU's memory)",
+    )  # fmt: skip
+    parser.add_argument("--memory-share", type=float, default=0.4, help="with --rounds > 1")
     parser.add_argument("--hf-requests", type=int, default=128, help="requests run by peft")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -150,6 +159,9 @@ def main() -> None:
     def row(name: str, tps: float, ref: float) -> None:
         print(f"| {name} | {tps:,.1f} | {tps / ref:.1%} |", flush=True)
 
+    if args.rounds > 1:
+        interleaved(args, opts, prompts, lengths)
+        return
     eng = Engine(model, **opts)
     base = run(eng, prompts, [None] * n, lengths, args.device)
     row("base model", base, base)
@@ -185,6 +197,53 @@ def main() -> None:
         theirs = run_hf(model, hf_prompts, mixed, new, args.hf_batch, args.device)
         label = f"{args.adapters} adapters"
         print(f"| {label} | {many:,.0f} | {theirs:,.0f} | {many / theirs:.2f}x |", flush=True)
+
+
+def interleaved(args, opts: dict, prompts, lengths) -> None:
+    """The base model and a PeftModel of the same shape (a second copy with the same random
+    weights, so that peft's layers never reach the base engine's model) on engines alive at
+    once, their runs alternated: base, 1 adapter, N adapters, --rounds times. The H200 host's
+    speed drifts between calls by ~10% (evals/RESULTS.md), so a ratio is only read off runs
+    taken side by side: each round's ratios and their medians."""
+    import statistics
+
+    from hf_paged import Engine
+
+    n = len(prompts)
+    dtype = getattr(torch, args.dtype)
+    # gpu_memory_utilization counts the whole process's memory: the second engine's share is
+    # on top of the first's
+    first = {**opts, "gpu_memory_utilization": args.memory_share}
+    base_eng = Engine(build_model(args.shape, dtype, args.device), **first)
+    peft = add_adapters(build_model(args.shape, dtype, args.device), args.adapters, args.rank)
+    second = {**first, "gpu_memory_utilization": min(0.9, 2 * args.memory_share)}
+    lora_eng = Engine(peft, **{"max_loras": max(8, args.adapters), **second})
+    spread = [f"a{i % args.adapters}" for i in range(n)]
+    runs = {
+        "base model": (base_eng, [None] * n),
+        "1 adapter": (lora_eng, ["a0"] * n),
+        f"{args.adapters} adapters, uniform": (lora_eng, spread),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    print("| round | " + " | ".join(runs) + " | ratios |\n|" + " --- |" * (len(runs) + 2))
+    for r in range(args.rounds):
+        for name, (eng, names) in runs.items():
+            rates[name].append(run(eng, prompts, names, lengths, args.device))
+        base, *others = (rates[name][-1] for name in runs)
+        cells = " | ".join(f"{rates[name][-1]:,.0f}" for name in runs)
+        ratios = " / ".join(f"{o / base:.1%}" for o in others)
+        print(f"| {r + 1} | {cells} | {ratios} |", flush=True)
+    base_rates = rates["base model"]
+    for name in list(runs)[1:]:
+        each = [o / b for o, b in zip(rates[name], base_rates)]
+        print(
+            f"{name}: median {statistics.median(rates[name]):,.0f} tok/s, median of the rounds' "
+            f"ratios to the base {statistics.median(each):.1%} (range {min(each):.1%}-"
+            f"{max(each):.1%}); base median {statistics.median(base_rates):,.0f}",
+            flush=True,
+        )
+    base_eng.shutdown()
+    lora_eng.shutdown()
 
 
 def describe_device(device: str) -> str:
