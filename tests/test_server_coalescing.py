@@ -141,3 +141,26 @@ def test_serving_shortens_the_switch_interval_and_restores_it(engine):
             pass
         assert sys.getswitchinterval() < before  # the first still serves
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"index": 0, "text": " hello", "logprobs": None, "finish_reason": None},
+        {"index": 3, "text": 'q"u\\o\n\t\u00e9\u4e2d\U0001f600', "logprobs": None,
+         "finish_reason": "stop"},
+        {"index": 1, "text": "", "logprobs": None, "finish_reason": "length"},
+        {"index": 0, "text": "x", "logprobs": {"tokens": ["x"], "token_logprobs": [-0.5]},
+         "finish_reason": None},
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None},
+        {"index": 2, "delta": {"content": 'a\u00e9"b\\'}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"},
+        {"index": 0, "delta": {"content": "y"}, "logprobs": {"content": []}, "finish_reason": None},
+    ],
+)  # fmt: skip
+def test_a_chunks_choice_is_written_as_the_json_encoder_writes_it(choice):
+    # the per-token shapes take a hand-written path (serving.choice_json): the same bytes
+    from hf_paged.entrypoints.serving import _dumps, choice_json
+
+    assert choice_json(choice) == _dumps(choice)

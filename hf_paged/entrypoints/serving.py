@@ -202,7 +202,7 @@ class OpenAIServing:
                     continue
                 choice = make_choice(i, piece, choices[i])
                 if choice is not None:
-                    events.append(f"{prefix}{_dumps(choice)}]}}\n\n")
+                    events.append(f"{prefix}{choice_json(choice)}]}}\n\n")
             if events:
                 yield "".join(events)
         usage = usage_of()
@@ -289,6 +289,26 @@ class OpenAIServing:
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
+_string = json.encoder.encode_basestring_ascii  # the C function _dumps escapes strings with
+
+
+def choice_json(choice: dict) -> str:
+    """_dumps(choice), byte for byte, for a streamed chunk's choice: the per-token shapes
+    (completions' text, chat's content delta; no logprobs) written directly, the rest through
+    the encoder. Every token of every stream goes through here on the event loop, which the
+    server's runs showed busy to the end (evals/RESULTS.md); the encoder's walk of a small dict
+    cost 2.7 us on a 2-core AMD EPYC against 0.2 us this way (timeit, 2026-12-04)."""
+    reason = choice["finish_reason"]
+    if choice["logprobs"] is not None or (reason is not None and type(reason) is not str):
+        return _dumps(choice)
+    tail = f',"logprobs":null,"finish_reason":{"null" if reason is None else _string(reason)}}}'
+    if "text" in choice and len(choice) == 4:
+        return f'{{"index":{choice["index"]:d},"text":{_string(choice["text"])}{tail}'
+    delta = choice.get("delta")
+    if len(choice) != 4 or type(delta) is not dict or delta.keys() - {"content"}:
+        return _dumps(choice)  # the role delta (once a choice) and any other shape
+    body = f'{{"content":{_string(delta["content"])}}}' if delta else "{}"
+    return f'{{"index":{choice["index"]:d},"delta":{body}{tail}'
 
 
 def sse(payload: dict) -> str:
