@@ -42,6 +42,7 @@ from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F
 from .gemv_tiles import tile_config
 from .kv_write import check_launchable, interpreting
 from .lora_epilogue import (
+    MAX_ROWS,
     LoraEpilogue,
     lora_launch_args,
     lora_prefetch,
@@ -54,7 +55,6 @@ try:  # Triton >= 3.3 (the GPU machine's 3.6 and CI's 3.9 have it)
 except ImportError:  # pragma: no cover - older Triton: PDL stays off (pdl_available)
     gdc_launch_dependents = gdc_wait = None
 
-MAX_ROWS = 8  # more rows than this: tensor-core GEMMs (cuBLAS) are the right tool
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -14,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.3: programmatic dependent launch (see kernels/fused_gemv.py)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: pdl stays off
+    gdc_launch_dependents = gdc_wait = None
+
 MAX_SLICES = 3  # q/k/v
+MAX_ROWS = 8  # small-batch kernels' rows at most: beyond, tensor-core GEMMs (cuBLAS) are the tool
 
 
 @dataclass(slots=True)
@@ -159,11 +165,6 @@ def lora_launch_args(lora: LoraEpilogue | None, m: int, n: int, gated: bool, gat
     )  # fmt: skip
 
 
-try:  # Triton >= 3.3: programmatic dependent launch (see kernels/fused_gemv.py)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton: pdl stays off
-    gdc_launch_dependents = gdc_wait = None
-
 ROWS_SHRINK_TILE = 8192  # A's elements a program holds: 64 float32 registers a thread at 4 warps
 MAX_PARTIALS = 2048  # split x slices * R: the floats an epilogue program reads for a row
 
@@ -240,7 +241,7 @@ def rows_shrink_tiles(k: int, sr: int) -> tuple[int, int]:
 
 
 def lora_rows_shrink(
-    x: torch.Tensor,  # [M, K], M <= 8
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     a_stack: torch.Tensor,  # [S, SR, K]
     slots: torch.Tensor,  # int32 [M], -1: no adapter
     *,
@@ -257,9 +258,10 @@ def lora_rows_shrink(
         raise ValueError(f"a_stack {tuple(a_stack.shape)} does not fit x {tuple(x.shape)}")
     m, k = x.shape
     sr = a_stack.shape[1]
-    if m > 8 or slots.shape != (m,) or slots.dtype != torch.int32:
+    if m > MAX_ROWS or slots.shape != (m,) or slots.dtype != torch.int32:
         raise ValueError(
-            f"slots must be int32 [{m}] for at most 8 rows, got {slots.dtype} {list(slots.shape)}"
+            f"slots must be int32 [{m}] for at most {MAX_ROWS} rows, got {slots.dtype} "
+            f"{list(slots.shape)}"
         )
     if x.stride(1) != 1 or a_stack.stride(2) != 1:
         raise ValueError("x and a_stack must be contiguous in their last dimension")
