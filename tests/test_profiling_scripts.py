@@ -29,6 +29,7 @@ def _run(*args: str) -> str:
         "lora_kernel_bench.py",
         "fp8_gemv_bench.py",
         "fp8_attention_bench.py",
+        "structured_step_parts.py",
     ],
 )
 def test_gpu_scripts_parse_their_flags(script):

@@ -5,11 +5,14 @@ grammar's host work (accepting the last tokens, filling the bitmask) overlaps th
 
 from __future__ import annotations
 
+import sys
+import time
+
 import pytest
+import torch
 
 from hf_paged import SamplingParams
 from hf_paged.engine.core import EngineCore
-from hf_paged.structured_output.constraint import import_xgrammar
 from hf_paged.structured_output.logits_mask import GrammarBitmask, RowMatcher, fill_threads
 from hf_paged.worker.model_runner import ModelRunner
 
@@ -52,15 +55,23 @@ def run(model, tok, async_scheduling, **options):
 
 
 def test_deferred_sampling_gives_the_synchronous_tokens(model, tok, monkeypatch):
+    import threading
+
     order = []  # what the step loop did, in order
-    real_prepare = GrammarBitmask.prepare
+    helper_runs = []  # the threads that ran the xgrammar calls of a started job
+    real_start = GrammarBitmask.start
+    real_run = GrammarBitmask.run
     real_resolve = EngineCore._resolve_inflight
     real_release = ModelRunner.release
     released_while_deferred = []
 
-    def prepare(self, *args):
-        order.append("prepare")
-        return real_prepare(self, *args)
+    def start(self, *args):
+        order.append("start")
+        return real_start(self, *args)
+
+    def run_job(self, job, *part):
+        helper_runs.append(threading.current_thread() is threading.main_thread())
+        return real_run(self, job, *part)
 
     def resolve(self):
         order.append("resolve")
@@ -73,17 +84,23 @@ def test_deferred_sampling_gives_the_synchronous_tokens(model, tok, monkeypatch)
             released_while_deferred.extend(rows & set(pending.rows.tolist()))
         return real_release(self, req_ids)
 
-    monkeypatch.setattr(GrammarBitmask, "prepare", prepare)
+    monkeypatch.setattr(GrammarBitmask, "start", start)
+    monkeypatch.setattr(GrammarBitmask, "run", run_job)
     monkeypatch.setattr(EngineCore, "_resolve_inflight", resolve)
     monkeypatch.setattr(ModelRunner, "release", release)
+    interval = sys.getswitchinterval()
     sync = run(model, tok, async_scheduling=False)
+    assert "start" not in order and all(helper_runs)  # the synchronous engine: in line
     order.clear()
+    helper_runs.clear()
     overlapped = run(model, tok, async_scheduling=True)
     assert overlapped == sync
-    # a deferred step's bitmask is prepared after the previous step's output was handled (each
-    # prepare follows a resolve), so its tokens were in the rows without waiting for them
-    pairs = list(zip(order, order[1:]))
-    assert ("resolve", "prepare") in pairs and ("prepare", "prepare") not in pairs
+    # a deferred step's grammar work starts as the previous step's tokens land, inside the
+    # step loop's handling of that step's output, and runs on the helper thread
+    assert order.count("start") >= 5
+    assert ("resolve", "start") in zip(order, order[1:])
+    assert helper_runs.count(False) >= 5
+    assert sys.getswitchinterval() == interval  # put back once the jobs were taken
     # requests ended and their rows were released while a step that samples them waited
     assert released_while_deferred
 
@@ -96,26 +113,179 @@ def test_preempted_rows_replay_under_the_overlap(model, tok):
     assert run(model, tok, async_scheduling=True, **small) == sync
 
 
-def test_unseen_and_batched_accept(tok):
+class Row:
+    """The fields of a SamplingRow that the grammar's hook reads."""
+
+    def __init__(self, req_id, structured, token_ids, num_prompt_tokens=2):
+        self.req_id, self.structured = req_id, structured
+        self.token_ids, self.num_prompt_tokens = token_ids, num_prompt_tokens
+
+
+def test_gather_run_finish(tok):
     from hf_paged.structured_output.compiler import GrammarService
     from hf_paged.structured_output.constraint import StructuredOutputs
 
     service = GrammarService(tok, len(tok))
-    compiled = service.submit(StructuredOutputs(regex="[ab]{4}")).compiled
+    compiled = service.submit(StructuredOutputs(regex="[ab]{2}")).compiled
     service.shutdown()
     a, b, bad = tok.convert_tokens_to_ids(["a", "b", "{"])
+    eos = tok.eos_token_id
     assert bad != tok.unk_token_id
-    states = [RowMatcher(compiled, {tok.eos_token_id}) for _ in range(3)]
+    grammar = GrammarBitmask(torch.device("cpu"))
+    states = [RowMatcher(compiled, {eos}) for _ in range(4)]
     assert states[0].unseen([5, 6, a, b], 2) == [a, b]
-    # one new token a row: one batched call; a refused token leaves its matcher before it
-    refused = GrammarBitmask._accept(import_xgrammar(), states, [[a], [b], [bad]])
-    assert refused == [None, None, bad]
-    assert [s.num_accepted for s in states] == [1, 1, 0]
-    # a row replaying several tokens (rebuilt after preemption) accepts them one by one
-    refused = GrammarBitmask._accept(import_xgrammar(), states, [[b, a], [a], [a, bad, b]])
-    assert refused == [None, None, bad]
-    assert [s.num_accepted for s in states] == [3, 2, 1]
-    assert states[0].unseen([5, 6, a, b, a], 2) == []
+    # one new token a row: one batched accept; a refused token leaves its matcher before it,
+    # its request fails alone; an unconstrained row is skipped
+    rows = [
+        Row("r0", states[0], [5, 6, a]),
+        Row("plain", None, [5, 6, a]),
+        Row("r1", states[1], [5, 6, b]),
+        Row("r2", states[2], [5, 6, bad]),
+        Row("r3", states[3], [5, 6]),  # no output yet: nothing to accept, filled
+    ]
+    mask = grammar.prepare(rows, len(tok))
+    assert [s.num_accepted for s in states] == [1, 1, 0, 0]
+    assert mask.sel == [0, 2, 4] and set(mask.failed) == {"r2"}
+    assert "not allowed" in str(mask.failed["r2"])
+    allowed = allowed_ids(mask.bitmask[0], len(tok))
+    assert a in allowed and b in allowed and eos not in allowed  # one more letter, then end
+    # rows replaying several tokens (rebuilt after preemption) accept them one by one; a row
+    # whose token is its stop token ends (it is not filled: xgrammar refuses that) on both paths
+    rows = [
+        Row("r0", states[0], [5, 6, a, b]),
+        Row("r1", states[1], [5, 6, b, a, eos]),  # replays a and the stop token
+        Row("r3", states[3], [5, 6, a, bad, b]),  # replays a, then a refused token
+    ]
+    mask = grammar.prepare(rows, len(tok))
+    assert [s.num_accepted for s in states] == [2, 3, 0, 1]
+    assert states[1].matcher.is_terminated()
+    assert mask.sel == [0] and set(mask.failed) == {"r3"}
+    assert allowed_ids(mask.bitmask[0], len(tok)) == [eos]  # complete: only its end
+    mask = grammar.prepare([Row("r0", states[0], [5, 6, a, b, eos])], len(tok))
+    assert mask.bitmask is None and mask.sel == [] and not mask.failed
+    assert states[0].matcher.is_terminated() and states[0].num_accepted == 3
+
+
+def allowed_ids(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
+    bits = bitmask_row.tolist()
+    return [t for t in range(vocab) if (bits[t // 32] >> (t % 32)) & 1]
+
+
+def test_helper_equals_in_line(tok):
+    """The job run on the helper thread gives the in-line prepare()'s rows, failures, bitmask
+    and matcher states, over rows of every kind: unconstrained, one new token, none yet, a
+    replayed history, a refused token, a stop token."""
+    from hf_paged.structured_output.compiler import GrammarService
+    from hf_paged.structured_output.constraint import StructuredOutputs
+
+    service = GrammarService(tok, len(tok))
+    compiled = service.submit(StructuredOutputs(regex="[ab]{2}c?")).compiled
+    service.shutdown()
+    a, b, c, bad = tok.convert_tokens_to_ids(["a", "b", "c", "{"])
+    eos = tok.eos_token_id
+    histories = [[a], None, [b], [bad], [], [a, b], [a, b, eos], [b], [a, bad], [a], None, [b]]
+
+    def rows_of(states):
+        return [
+            Row(f"r{i}", None if h is None else states[i], [5, 6, *(h or [])])
+            for i, h in enumerate(histories)
+        ]
+
+    def fresh():
+        states = [RowMatcher(compiled, {eos}) for _ in histories]
+        for state, h in zip(states, histories):  # rows past their first token: one new each
+            if h and len(h) == 2:
+                assert state.accept(h[:1]) is None
+        return states
+
+    in_line, helper = GrammarBitmask(torch.device("cpu")), GrammarBitmask(torch.device("cpu"))
+    try:
+        s1, s2 = fresh(), fresh()
+        want = in_line.prepare(rows_of(s1), len(tok))
+        want_bits = want.bitmask[want.sel].clone()
+        got = helper.start(rows_of(s2), len(tok)).result()
+        assert helper._helper is not None and in_line._helper is None
+        assert got.sel == want.sel and set(got.failed) == set(want.failed) == {"r3", "r8"}
+        assert torch.equal(got.bitmask[got.sel], want_bits)
+        assert [s.num_accepted for s in s2] == [s.num_accepted for s in s1]
+        assert [s.matcher.is_terminated() for s in s2] == [s.matcher.is_terminated() for s in s1]
+    finally:
+        in_line.close()
+        helper.close()
+
+
+def test_helper_job_switch_interval_and_errors(tok, monkeypatch):
+    """start() runs the xgrammar calls on the helper thread with the GIL switch interval
+    lowered while any job (of any engine) runs, put back as the last one ends, whether or not
+    its mask is ever taken; an error there reaches the caller of result()."""
+    import threading
+
+    from hf_paged.structured_output.compiler import GrammarService
+    from hf_paged.structured_output.constraint import StructuredOutputs
+
+    service = GrammarService(tok, len(tok))
+    compiled = service.submit(StructuredOutputs(regex="[ab]{3}")).compiled
+    service.shutdown()
+    a = tok.convert_tokens_to_ids("a")
+    eos = {tok.eos_token_id}
+    gates = {}  # request id -> the event its job waits for on the helper
+    real_run = GrammarBitmask.run
+
+    def gated_run(self, job):
+        gates[job.req_ids[0]].wait(timeout=30)
+        return real_run(self, job)
+
+    monkeypatch.setattr(GrammarBitmask, "run", gated_run)
+    interval = sys.getswitchinterval()
+    one, two = GrammarBitmask(torch.device("cpu")), GrammarBitmask(torch.device("cpu"))
+    try:
+        gates["x"], gates["y"] = threading.Event(), threading.Event()
+        first = one.start([Row("x", RowMatcher(compiled, eos), [5, 6, a])], len(tok))
+        second = two.start([Row("y", RowMatcher(compiled, eos), [5, 6, a])], len(tok))
+        assert sys.getswitchinterval() < interval
+        gates["x"].set()
+        assert first.result().sel == [0]  # the first ended: the second still runs
+        assert sys.getswitchinterval() < interval
+        gates["y"].set()
+        two.close()  # its job ends; its mask is never taken
+        assert sys.getswitchinterval() == interval
+        assert second.result().sel == [0]
+        assert one.start([Row("z", None, [5, 6, a])], len(tok)).result().bitmask is None
+        broken = RowMatcher(compiled, eos)
+        broken.matcher = None  # xgrammar refuses it on the helper thread
+        gates["w"] = threading.Event()
+        gates["w"].set()
+        failing = one.start([Row("w", broken, [5, 6, a])], len(tok))
+        with pytest.raises(Exception):
+            failing.result()
+        one.close()
+        assert sys.getswitchinterval() == interval
+    finally:
+        for gate in gates.values():
+            gate.set()
+        one.close()
+        two.close()
+        sys.setswitchinterval(interval)
+
+
+def test_an_idle_engine_leaves_the_switch_interval_alone(model, tok):
+    """generate() returns with the last step's sampling still deferred (its requests ended):
+    the helper's job for it has ended, and the interval is back."""
+    interval = sys.getswitchinterval()
+    eng = so.make_engine(model, tok, async_scheduling=True)
+    try:
+        eng.generate(["a", "b"], [so.constrained(regex="[ab]{6}", temperature=0)] * 2)
+        pending = eng.runner._pending
+        assert pending is not None and pending.deferred is not None
+        assert pending.deferred.early is not None  # its job was started ...
+        pending.deferred.early._future.result(timeout=30)  # ... and ends by itself
+        for _ in range(300):  # (its done callback runs just after its result is set)
+            if sys.getswitchinterval() == interval:
+                break
+            time.sleep(0.01)
+        assert sys.getswitchinterval() == interval
+    finally:
+        eng.shutdown()
 
 
 def test_fill_threads_bounded():

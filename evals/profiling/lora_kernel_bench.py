@@ -136,6 +136,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument(
+        "--tokens", default="16,64,256,512",
+        help="token counts of the many-token rows (comma list; prefill chunks reach 8192)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", action="store_true", help="kernels by time: 1 row with LoRA, 16 tokens grouped"
     )
     args = parser.parse_args()
@@ -156,7 +160,7 @@ def main() -> None:
     print("\nmany tokens (cuBLAS GEMMs + LoRA ops)\n")
     print("| tokens | base us | grouped us | per slice us | base / grouped | base / per slice |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for t in (16, 64, 256, 512):
+    for t in (int(v) for v in args.tokens.split(",")):
         times = {
             m: bench_graph(layer.many_tokens(t, m)) * 1e3 for m in ("base", "grouped", "slices")
         }

@@ -91,8 +91,12 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
     wrap(Sampler, "__call__", spent, "sampler")
     wrap(xgrammar, "apply_token_bitmask_inplace", spent, "kernel")
     wrap(logits_mask.GrammarBitmask, "apply", spent, "mask apply")
-    if hasattr(logits_mask.GrammarBitmask, "prepare"):
-        wrap(logits_mask.GrammarBitmask, "prepare", spent, "prepare")
+    for name in ("prepare", "run"):
+        if hasattr(logits_mask.GrammarBitmask, name):
+            wrap(logits_mask.GrammarBitmask, name, spent, name)
+    if hasattr(logits_mask, "EarlyMask"):  # the helper thread's job, gathered and finished here
+        wrap(logits_mask.GrammarBitmask, "gather", spent, "gather")
+        wrap(logits_mask.EarlyMask, "result", spent, "result")
     first = engine.core.num_steps
     with frozen_heap():
         t = time.perf_counter()
@@ -109,12 +113,18 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
         prepare = in_sampler = spent[("mask apply", True)] - spent[("kernel", True)]
     device_work = spent[("sampler", True)] - in_sampler + spent[("forward stub", True)]
     ms = 1e3 / steps
-    return {
+    out = {
         "step()": total * ms,
         "forward stub + sampler tensor work (device work on a GPU)": device_work * ms,
         "step loop (step() minus that)": (total - device_work) * ms,
         "of which grammar prepare (accept + fill)": prepare * ms,
     }
+    if hasattr(logits_mask, "EarlyMask"):
+        # prepare() above counts only steps that ran it in line (a row's first sampling)
+        on_loop = spent[("gather", True)] + spent[("result", True)] + spent[("run", True)]
+        out["of which grammar on the step loop (gather, wait, finish)"] = on_loop * ms
+        out["grammar's xgrammar calls on the helper thread"] = spent[("run", False)] * ms
+    return out
 
 
 def main() -> None:

@@ -2,13 +2,14 @@
 
 Two parts:
 
-prepare (host only, GrammarBitmask.prepare): each constrained row catches its matcher up with
-  the row's output tokens (usually one token a row: one batched accept for all of them; a row
-  rebuilt after preemption replays every output token, so recompute needs no rollback), then the
-  rows fill their rows of an int32 bitmask [rows, ceil(V / 32)] (xgrammar's batch fill, on
-  several threads). Under asynchronous scheduling the runner defers a constrained step's
-  sampling so that this runs while the GPU computes that step's forward (model_runner.py,
-  ModelRunner._defer_sampling, has the order).
+prepare (host only, GrammarBitmask.prepare or .start): each constrained row catches its matcher
+  up with the row's output tokens (usually one token a row: one batched accept for all of them;
+  a row rebuilt after preemption replays every output token, so recompute needs no rollback),
+  then the rows fill their rows of an int32 bitmask [rows, ceil(V / 32)] (xgrammar's batch fill,
+  on several threads). Under asynchronous scheduling the runner defers a constrained step's
+  sampling and start() runs these two xgrammar calls on a helper thread from the moment the
+  previous step's tokens land, beside the step loop's own work (worker/deferred_sampling.py has
+  the order); the Python around them stays on the step loop's thread (GrammarJob says why).
 apply (GrammarBitmask.apply): one host-to-device copy and one kernel
   (xgrammar.apply_token_bitmask_inplace: CUDA/Triton on a GPU, its C++ loop on the CPU) on the
   constrained rows only. Unconstrained rows are not read or written; a step without a
@@ -22,6 +23,9 @@ recorded logits/logprobs of a constrained row are of that masked distribution.
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +38,12 @@ class RowMatcher:
     ids, the only tokens the grammar allows once it is complete (sampling one ends the request,
     and the scheduler's stop check ends it as for any request)."""
 
-    __slots__ = ("matcher", "num_accepted")
+    __slots__ = ("matcher", "num_accepted", "stops")
 
     def __init__(self, compiled, stop_token_ids) -> None:
         xgr = import_xgrammar()
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        self.stops = frozenset(stop_token_ids)
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stops))
         self.num_accepted = 0  # output tokens the matcher has consumed
 
     def unseen(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
@@ -66,6 +71,37 @@ class GrammarMask:
     failed: dict = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class GrammarJob:
+    """One step's grammar work, split so that the part that may run on other threads is little
+    more than xgrammar's calls: gathered from the rows on the step loop's thread
+    (GrammarBitmask.gather), run (GrammarBitmask.run: accept the new tokens, fill the bitmask),
+    finished on the step loop's thread again (GrammarBitmask.finish). xgrammar's calls release
+    the GIL; any Python the helper runs needs it back from the step loop, which holds it nearly
+    all the time, so the helper's Python is kept to two calls (a per-row call there, such as
+    the is_terminated() of each row, would hand the GIL over hundreds of times a step).
+
+    Rows with one new token each (every decode step after a row's first) go through one batched
+    accept; rows replaying several (rebuilt after preemption) accept token by token. Only rows
+    that go on are filled (filling a matcher that accepted its stop token is an error): a
+    one-token row goes on unless its token is one of its stop tokens, which the matcher accepts
+    only as its grammar's end, so that is known before the accept; a replaying row's is read
+    after it."""
+
+    req_ids: list[str]  # of the constrained rows, in sel's order
+    sel: list[int]  # the constrained rows among the sampler's rows
+    states: list[RowMatcher]
+    one: list[int]  # positions (in sel) of the rows with one new token
+    one_matchers: list
+    one_tokens: list[int]
+    replay: list[tuple[int, list[int]]]  # (position in sel, new tokens) of the other rows
+    fill_pos: list[int]  # positions (in sel) of the one-token rows to fill
+    bitmask: torch.Tensor
+    accepted: list | None = None  # the batched accept's flags (one's order), set by run()
+    refused: dict = field(default_factory=dict)  # position -> the replaying row's refused token
+    ended: set = field(default_factory=set)  # positions of replaying rows now terminated
+
+
 def fill_threads() -> int:
     """Threads for the batch fill: half the cores this process may use, at most 8. (xgrammar's
     'auto' takes half of std::thread::hardware_concurrency(), every core of the host, which
@@ -74,65 +110,135 @@ def fill_threads() -> int:
 
 
 class GrammarBitmask:
-    """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand) and the
-    batch matcher."""
+    """Owned by the sampler: the host bitmask buffer (pinned on a GPU, grown on demand), the
+    batch matcher, and the helper thread that runs a deferred step's grammar work beside the
+    step loop (start())."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host: torch.Tensor | None = None
         self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self._helper: ThreadPoolExecutor | None = None
 
     def prepare(self, rows: list, vocab: int) -> GrammarMask:
-        """Catch the rows' matchers up with their histories and fill their bitmask."""
-        xgr = import_xgrammar()
-        failed = {}
-        sel, matchers, news = [], [], []
+        """Catch the rows' matchers up with their histories and fill their bitmask, on this
+        thread."""
+        job = self.gather(rows, vocab)
+        if job is None:
+            return GrammarMask(None, [], len(rows))
+        self.run(job)
+        return self.finish(job, len(rows))
+
+    def start(self, rows: list, vocab: int) -> EarlyMask:
+        """prepare() with its xgrammar work on the helper thread: gather now, run there, finish
+        in EarlyMask.result(). Until then nothing else may touch these rows' matchers or the
+        bitmask buffer (worker/deferred_sampling.py starts it as the rows' tokens land and
+        takes the result before any other sampling). One thread: a step's rows split over four
+        helpers were slower (H200, 256 rows: their four batched accepts took 9.0 ms of thread
+        time a step together, against 0.7 ms for all the rows on one thread)."""
+        job = self.gather(rows, vocab)
+        if job is None:
+            return EarlyMask(self, None, None, len(rows))
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
+        _SWITCH.lower()
+        try:
+            future = self._helper.submit(self.run, job)
+        except BaseException:
+            _SWITCH.restore()
+            raise
+        # put back as the helper's work ends, not when its mask is taken: a deferred sampling
+        # may wait unlaunched for a long time (an engine idle after its last request ended)
+        future.add_done_callback(_SWITCH.restore_after)
+        return EarlyMask(self, future, job, len(rows))
+
+    def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+
+    def gather(self, rows: list, vocab: int) -> GrammarJob | None:
+        """The constrained rows, their new tokens, the rows to fill (step loop's thread: reads
+        the rows)."""
+        req_ids, sel, states, one, one_matchers, one_tokens = [], [], [], [], [], []
+        replay, fill_pos = [], []
         for i, row in enumerate(rows):
             state = row.structured
             if state is None:
                 continue
+            pos = len(sel)
             sel.append(i)
-            matchers.append(state)
-            news.append(state.unseen(row.token_ids, row.num_prompt_tokens))
-        refused = self._accept(xgr, matchers, news)
-        keep_sel, keep = [], []
-        for i, state, bad in zip(sel, matchers, refused):
-            row = rows[i]
-            if state.matcher.is_terminated():
-                # it sampled a stop token: it has ended, and this step's token (asynchronous
-                # scheduling ran it one step ahead) is dropped by the scheduler
-                continue
-            if bad is not None:
-                failed[row.req_id] = ValueError(
-                    f"structured: token {bad} is not allowed by the request's grammar: "
-                    "every allowed token was masked (by an option such as min_tokens or "
-                    "bad_words_ids, or no token spells the grammar's next character)"
-                )
-                continue
-            keep_sel.append(i)
-            keep.append(state.matcher)
-        if not keep_sel:
-            return GrammarMask(None, [], len(rows), failed)
+            states.append(state)
+            req_ids.append(row.req_id)
+            token_ids = row.token_ids
+            new = len(token_ids) - row.num_prompt_tokens - state.num_accepted
+            if new == 1:
+                token = token_ids[-1]
+                one.append(pos)
+                one_matchers.append(state.matcher)
+                one_tokens.append(token)
+                if token not in state.stops:
+                    fill_pos.append(pos)
+            else:  # no output yet (nothing to accept), or a rebuilt row replaying its history
+                replay.append((pos, state.unseen(token_ids, row.num_prompt_tokens)))
+        if not sel:
+            return None
         bitmask = self._buffer(len(rows), (vocab + 31) // 32)
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
-        self._batch.batch_fill_next_token_bitmask(keep, bitmask, keep_sel)
-        return GrammarMask(bitmask, keep_sel, len(rows), failed)
+        return GrammarJob(
+            req_ids, sel, states, one, one_matchers, one_tokens, replay, fill_pos, bitmask
+        )
+
+    def run(self, job: GrammarJob) -> None:
+        """Accept and fill: xgrammar calls only (on the helper thread, or in line)."""
+        xgr = import_xgrammar()
+        if job.one:
+            job.accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+                job.one_matchers, job.one_tokens
+            )
+        fill = list(job.fill_pos)
+        for pos, new in job.replay:  # rare: a row's first sampling, or a rebuilt row
+            state = job.states[pos]
+            bad = state.accept(new)
+            if bad is not None:
+                job.refused[pos] = bad
+            elif state.matcher.is_terminated():
+                job.ended.add(pos)
+            else:
+                fill.append(pos)
+        if fill:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
+            self._batch.batch_fill_next_token_bitmask(
+                [job.states[p].matcher for p in fill], job.bitmask, [job.sel[p] for p in fill]
+            )
 
     @staticmethod
-    def _accept(xgr, states: list[RowMatcher], news: list[list[int]]) -> list[int | None]:
-        """Each row's refused token or None. One batched call when every row has one new
-        token (every decode step after the first); a row replaying its history loops."""
-        if states and all(len(n) == 1 for n in news):
-            oks = xgr.BatchGrammarMatcher.batch_accept_token(
-                [s.matcher for s in states], [n[0] for n in news]
+    def finish(job: GrammarJob, num_rows: int) -> GrammarMask:
+        """The accept's outcome on the rows (step loop's thread): counts, failures, the rows
+        the mask applies to."""
+        refused = dict(job.refused)
+        ended = set(job.ended)
+        for pos, token, ok in zip(job.one, job.one_tokens, job.accepted or ()):
+            state = job.states[pos]
+            if ok:
+                state.num_accepted += 1
+                if token in state.stops:
+                    # it sampled a stop token: it has ended, and this step's token
+                    # (asynchronous scheduling ran it one step ahead) is dropped by the scheduler
+                    ended.add(pos)
+            else:
+                refused[pos] = token
+        failed = {}
+        for pos, bad in refused.items():
+            failed[job.req_ids[pos]] = ValueError(
+                f"structured: token {bad} is not allowed by the request's grammar: "
+                "every allowed token was masked (by an option such as min_tokens or "
+                "bad_words_ids, or no token spells the grammar's next character)"
             )
-            refused = []
-            for state, new, ok in zip(states, news, oks):
-                state.num_accepted += ok
-                refused.append(None if ok else new[0])
-            return refused
-        return [state.accept(new) for state, new in zip(states, news)]
+        keep = [i for pos, i in enumerate(job.sel) if pos not in refused and pos not in ended]
+        if not keep:
+            return GrammarMask(None, [], num_rows, failed)
+        return GrammarMask(job.bitmask, keep, num_rows, failed)
 
     def apply(self, logits: torch.Tensor, mask: GrammarMask) -> None:
         """Mask logits [B, V] in place on mask's rows."""
@@ -158,3 +264,53 @@ class GrammarBitmask:
             host = torch.empty((rows, width), dtype=torch.int32, pin_memory=pin)
             self._host = host
         return host[:num_rows]
+
+
+class EarlyMask:
+    """A bitmask whose xgrammar work runs on the helper thread; result() waits for it and
+    finishes it on the caller's thread."""
+
+    def __init__(self, owner: GrammarBitmask, future, job, num_rows: int) -> None:
+        self._owner, self._future, self._job, self._num_rows = owner, future, job, num_rows
+
+    def result(self) -> GrammarMask:
+        if self._job is None:
+            return GrammarMask(None, [], self._num_rows)
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()  # (raises what the helper raised)
+        return self._owner.finish(self._job, self._num_rows)
+
+
+class _SwitchInterval:
+    """Python's GIL switch interval, lowered while any helper job runs in the process. The
+    helper needs the GIL three times a step (to start, and after each of its two xgrammar
+    calls, which release it); at the default 5 ms each of those could wait for the step loop's
+    whole interval while it runs Python. A count shared by every engine of the process: the
+    first job lowers it, the last one to end puts back what the first found."""
+
+    INTERVAL_S = 1e-4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._saved = None
+
+    def lower(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, self.INTERVAL_S))
+            self._count += 1
+
+    def restore(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0:
+                sys.setswitchinterval(self._saved)
+
+    def restore_after(self, _future) -> None:
+        self.restore()
+
+
+_SWITCH = _SwitchInterval()

@@ -19,16 +19,20 @@ def defer_sampling(
 
       host                                            GPU
       launch forward n+1 (sampling deferred)          sample n, forward n+1
-      handle step n's output (its tokens land),       forward n+1
-        schedule n+2, prepare n+2's inputs,
-        matchers accept n's tokens, fill n+1's mask
-      queue mask + sample n+1, launch forward n+2     mask, sample n+1, forward n+2
+      step n's tokens land: the helper thread starts  forward n+1
+        accepting them and filling n+1's mask;
+        the step loop handles step n's output,
+        schedules n+2, prepares n+2's inputs
+      take the mask, queue mask + sample n+1,         mask, sample n+1, forward n+2
+        launch forward n+2
 
-    The grammar's work needs step n's tokens, which land as forward n+1 starts; done after
-    the step loop's own work for n+2, all of it overlaps forward n+1, and the GPU goes from
-    sampling n+1 to forward n+2 without waiting for the host (when the host's work fits in
-    a forward). PendingOutput.launch() runs it: the next execute() just before its forward,
-    or finish_async / shutdown when no step follows.
+    The grammar's work needs step n's tokens, which land as forward n+1 starts; from then on
+    it runs on the helper thread beside the step loop's own work for n+2 (the two xgrammar
+    calls release the GIL), all of it while the GPU computes forward n+1, and the GPU goes from
+    sampling n+1 to forward n+2 without waiting for the host (when the host's work fits in a
+    forward). ModelRunner._land starts the helper (DeferredSampling.start_grammar); launch()
+    (PendingOutput.launch) queues the sampling: the next execute() just before its forward, or
+    finish_async / shutdown when no step follows.
 
     Rows may be released (their requests ended) and reused before the sampling is queued:
     it holds its own SamplingRows, writes a released row's last_tokens entry before the
@@ -42,20 +46,42 @@ def defer_sampling(
         len(step.rows), sample_idx.tolist(), row_ids, step.seq_lens[sample_idx], None,
         ib.epoch[row_ids], runner.device.type == "cuda",
     )  # fmt: skip
+    pending.deferred = DeferredSampling(runner, pending, rows_logits, rows, rows_t, previous)
+    return pending
 
-    def sample() -> None:
-        if previous is not None:
-            runner._land(previous)  # (no-op when the step loop has handled its output)
-        mask = runner.sampler.grammar.prepare(rows, rows_logits.shape[-1])
-        sampled = runner.sampler(rows_logits, rows, ib.penalty_counts, grammar=mask)
-        rows_dev = rows_t if rows_t is not None else to_device(row_ids, runner.device)
+
+class DeferredSampling:
+    """A deferred step's sampling (defer_sampling has the order); calling it queues it."""
+
+    def __init__(self, runner, pending, rows_logits, rows, rows_t, previous) -> None:
+        self.runner, self.pending = runner, pending
+        self.rows_logits, self.rows, self.rows_t = rows_logits, rows, rows_t
+        self.previous = previous  # the step whose tokens the matchers accept first
+        self.early = None  # the bitmask under way on the helper thread (EarlyMask)
+
+    def start_grammar(self) -> None:
+        """The previous step's tokens are in the rows: start the grammar's work (once)."""
+        if self.early is None:
+            grammar = self.runner.sampler.grammar
+            self.early = grammar.start(self.rows, self.rows_logits.shape[-1])
+
+    def __call__(self) -> None:
+        runner, rows = self.runner, self.rows
+        if self.previous is not None:
+            runner._land(self.previous)  # (no-op when the step loop has handled its output)
+        if self.early is not None:
+            mask = self.early.result()
+        else:
+            mask = runner.sampler.grammar.prepare(rows, self.rows_logits.shape[-1])
+        ib = runner.input_batch
+        sampled = runner.sampler(self.rows_logits, rows, ib.penalty_counts, grammar=mask)
+        rows_dev = self.rows_t
+        if rows_dev is None:
+            rows_dev = to_device(self.pending.rows, runner.device)
         runner.last_tokens.index_copy_(0, rows_dev, sampled.tokens)
         host = runner._host_buffer(len(rows))
         host.copy_(sampled.tokens, non_blocking=True)
-        pending.sampled(host, sampled.failed)
-
-    pending.deferred = sample
-    return pending
+        self.pending.sampled(host, sampled.failed)
 
 
 def forks(rows) -> bool:

@@ -124,6 +124,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self._pending is not None:  # nothing may wait on a sampling never queued
             self._pending.launch()
+        self.sampler.grammar.close()
         if self.spec is not None:
             self.spec.shutdown()
             self.spec = None
@@ -276,6 +277,9 @@ class ModelRunner:
                 self.input_batch.add_tokens(
                     pending.rows[live], pending.positions[live] + j, step_tokens[live].tolist()
                 )
+        following = self._pending.deferred if self._pending is not None else None
+        if following is not None and following.previous is pending:
+            following.start_grammar()  # its matchers can take these tokens now
         return tokens
 
     def _update_rows(self, batch: ScheduledBatch) -> None:
