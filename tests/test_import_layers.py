@@ -2,7 +2,8 @@
 subpackages are layered and a module imports only its own layer or lower ones, at module level
 or inside a function. Layers, low to high:
 
-    base (config, envs, sampling_params, gc_freeze, request_ids, structured_output/constraint.py)
+    base (config, envs, sampling_params, gc_freeze, gil_switch, request_ids,
+      structured_output/constraint.py)
     < core
     < sample, worker, kernels, integrations, lora, spec_decode, structured_output, quantization
       (one layer: they may import each other; the sampler imports nothing from core, the runner
@@ -47,6 +48,7 @@ LAYERS = {  # longest prefix wins
     "hf_paged.envs": BASE,
     "hf_paged.sampling_params": BASE,
     "hf_paged.gc_freeze": BASE,
+    "hf_paged.gil_switch": BASE,
     # sibling ids, torch-free: the server's API process and the engine agree on them
     "hf_paged.request_ids": BASE,
     "hf_paged.core": CORE,

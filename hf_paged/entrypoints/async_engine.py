@@ -27,7 +27,6 @@ past that, submit raises QueueFull (a 429).
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,37 +35,12 @@ from hf_paged.core.request import RequestOutput
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.stream import RequestStream
 from hf_paged.entrypoints.fronts import STREAM_INTERVAL_S, EngineDead, QueueFull, StreamHandle
+from hf_paged.gil_switch import switch_interval
 from hf_paged.lora.layers import adapter_names
 from hf_paged.sampling_params import SamplingParams
 
 # the interpreter's switch interval while serving (Python's default is 5 ms)
 SWITCH_INTERVAL_S = 0.0002
-
-
-class _SwitchInterval:
-    """The short switch interval while any front serves: the first start sets it, the last
-    shutdown puts back what was there (fronts in one process, tests' servers, overlap)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved = 0.0
-
-    def acquire(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._saved))
-            self._users += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                sys.setswitchinterval(self._saved)
-
-
-_switch_interval = _SwitchInterval()
 
 
 class RequestHandle(StreamHandle):
@@ -125,7 +99,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._short_switch = False  # this front holds one of _SwitchInterval's references
+        self._short_switch = False  # this front holds the short switch interval (gil_switch)
         # what the loop thread did (benchmarks tell an engine slowed by the GIL from lag after)
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside Engine.step()
@@ -145,7 +119,7 @@ class AsyncEngine:
         self._stopping = False
         if not self._short_switch:
             self._short_switch = True
-            _switch_interval.acquire()
+            switch_interval.acquire(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
 
@@ -158,7 +132,7 @@ class AsyncEngine:
             self._thread = None
         if self._short_switch:
             self._short_switch = False
-            _switch_interval.release()
+            switch_interval.release(SWITCH_INTERVAL_S)
         for handle in list(self._handles):
             handle.close()
 

@@ -23,14 +23,15 @@ recorded logits/logprobs of a constrained row are of that masked distribution.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.gil_switch import switch_interval
 from hf_paged.structured_output.constraint import import_xgrammar
+
+HELPER_SWITCH_INTERVAL_S = 1e-4  # the GIL switch interval while a grammar job runs
 
 
 class RowMatcher:
@@ -141,15 +142,17 @@ class GrammarBitmask:
             return EarlyMask(self, None, None, len(rows))
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
-        _SWITCH.lower()
+        # the helper needs the GIL three times a job (to start, and after each of its two
+        # xgrammar calls, which release it): a short switch interval while it runs, given back
+        # as its work ends, not when its mask is taken (a deferred sampling may wait unlaunched
+        # for long: an engine idle after its last request ended)
+        switch_interval.acquire(HELPER_SWITCH_INTERVAL_S)
         try:
             future = self._helper.submit(self.run, job)
         except BaseException:
-            _SWITCH.restore()
+            switch_interval.release(HELPER_SWITCH_INTERVAL_S)
             raise
-        # put back as the helper's work ends, not when its mask is taken: a deferred sampling
-        # may wait unlaunched for a long time (an engine idle after its last request ended)
-        future.add_done_callback(_SWITCH.restore_after)
+        future.add_done_callback(lambda _: switch_interval.release(HELPER_SWITCH_INTERVAL_S))
         return EarlyMask(self, future, job, len(rows))
 
     def close(self) -> None:
@@ -216,8 +219,7 @@ class GrammarBitmask:
     def finish(job: GrammarJob, num_rows: int) -> GrammarMask:
         """The accept's outcome on the rows (step loop's thread): counts, failures, the rows
         the mask applies to."""
-        refused = dict(job.refused)
-        ended = set(job.ended)
+        refused, ended = job.refused, job.ended  # (the replaying rows', from run())
         for pos, token, ok in zip(job.one, job.one_tokens, job.accepted or ()):
             state = job.states[pos]
             if ok:
@@ -235,7 +237,9 @@ class GrammarBitmask:
                 "every allowed token was masked (by an option such as min_tokens or "
                 "bad_words_ids, or no token spells the grammar's next character)"
             )
-        keep = [i for pos, i in enumerate(job.sel) if pos not in refused and pos not in ended]
+        keep = job.sel  # usually every row goes on: no loop over them then
+        if refused or ended:
+            keep = [i for pos, i in enumerate(keep) if pos not in refused and pos not in ended]
         if not keep:
             return GrammarMask(None, [], num_rows, failed)
         return GrammarMask(job.bitmask, keep, num_rows, failed)
@@ -280,37 +284,3 @@ class EarlyMask:
         if future is not None:
             future.result()  # (raises what the helper raised)
         return self._owner.finish(self._job, self._num_rows)
-
-
-class _SwitchInterval:
-    """Python's GIL switch interval, lowered while any helper job runs in the process. The
-    helper needs the GIL three times a step (to start, and after each of its two xgrammar
-    calls, which release it); at the default 5 ms each of those could wait for the step loop's
-    whole interval while it runs Python. A count shared by every engine of the process: the
-    first job lowers it, the last one to end puts back what the first found."""
-
-    INTERVAL_S = 1e-4
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
-        self._saved = None
-
-    def lower(self) -> None:
-        with self._lock:
-            if self._count == 0:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._saved, self.INTERVAL_S))
-            self._count += 1
-
-    def restore(self) -> None:
-        with self._lock:
-            self._count -= 1
-            if self._count == 0:
-                sys.setswitchinterval(self._saved)
-
-    def restore_after(self, _future) -> None:
-        self.restore()
-
-
-_SWITCH = _SwitchInterval()
