@@ -64,6 +64,34 @@ def host_model(vocab_size: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).eval()
 
 
+def time_calls(owner, name: str, key: str, spent: dict, calls: dict | None = None) -> None:
+    """Wrap owner.name (a function, method or staticmethod; nothing if owner lacks it, as an
+    older engine may) so that its wall seconds add to spent[(key, called on the main thread)]
+    and, with calls, its calls to calls[(key, ...)]: parts of a step by thread."""
+    import inspect
+    import threading
+    import time
+
+    fn = getattr(owner, name, None)
+    if fn is None:
+        return
+    main = threading.main_thread()
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            where = (key, threading.current_thread() is main)
+            spent[where] += time.perf_counter() - t
+            if calls is not None:
+                calls[where] += 1
+
+    if isinstance(inspect.getattr_static(owner, name), staticmethod):
+        timed = staticmethod(timed)
+    setattr(owner, name, timed)
+
+
 def w1_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     """W1's prompts, from the harness's own workload definition (evals/workloads.py)."""
     return [r.prompt_token_ids for r in workloads.synthetic(vocab_size, seed=seed).requests]

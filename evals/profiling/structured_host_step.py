@@ -20,28 +20,13 @@ the sampler's apply() prepared the bitmask too).
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from collections import defaultdict
 
 import bench_setup
 import torch
+from bench_setup import time_calls
 from hf_paged_evals.structured_bench import LONG_SCHEMA, bench_tokenizer
-
-
-def wrap(owner, name: str, spent: dict, key: str) -> None:
-    """Time owner.name into spent[(key, thread is the step loop's)]."""
-    fn = getattr(owner, name)
-    main = threading.main_thread()
-
-    def timed(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spent[(key, threading.current_thread() is main)] += time.perf_counter() - t
-
-    setattr(owner, name, timed)
 
 
 def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> dict[str, float]:
@@ -88,15 +73,15 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
     for _ in range(5):
         engine.step()
     spent.clear()
-    wrap(Sampler, "__call__", spent, "sampler")
-    wrap(xgrammar, "apply_token_bitmask_inplace", spent, "kernel")
-    wrap(logits_mask.GrammarBitmask, "apply", spent, "mask apply")
+    time_calls(Sampler, "__call__", "sampler", spent)
+    time_calls(xgrammar, "apply_token_bitmask_inplace", "kernel", spent)
+    time_calls(logits_mask.GrammarBitmask, "apply", "mask apply", spent)
     for name in ("prepare", "run"):
         if hasattr(logits_mask.GrammarBitmask, name):
-            wrap(logits_mask.GrammarBitmask, name, spent, name)
+            time_calls(logits_mask.GrammarBitmask, name, name, spent)
     if hasattr(logits_mask, "EarlyMask"):  # the helper thread's job, gathered and finished here
-        wrap(logits_mask.GrammarBitmask, "gather", spent, "gather")
-        wrap(logits_mask.EarlyMask, "result", spent, "result")
+        time_calls(logits_mask.GrammarBitmask, "gather", "gather", spent)
+        time_calls(logits_mask.EarlyMask, "result", "result", spent)
     first = engine.core.num_steps
     with frozen_heap():
         t = time.perf_counter()

@@ -17,38 +17,13 @@ prefill steps included (a prefill step's wait for its tokens is long).
 from __future__ import annotations
 
 import argparse
-import inspect
-import threading
 import time
 from collections import Counter, defaultdict
 
 import bench_setup
 import torch
+from bench_setup import time_calls
 from hf_paged_evals.structured_bench import LONG_SCHEMA, bench_tokenizer
-
-
-def timer(spent: dict, calls: Counter):
-    main = threading.main_thread()
-
-    def wrap(owner, name: str, key: str) -> None:
-        fn = getattr(owner, name, None)
-        if fn is None:  # a part this version of the engine does not have
-            return
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                where = (key, threading.current_thread() is main)
-                spent[where] += time.perf_counter() - t
-                calls[where] += 1
-
-        if isinstance(inspect.getattr_static(owner, name), staticmethod):
-            timed = staticmethod(timed)
-        setattr(owner, name, timed)
-
-    return wrap
 
 
 def main() -> None:
@@ -82,7 +57,6 @@ def main() -> None:
     engine.generate(prompts[:8], [plain, guided] * 4)  # compile the grammar, warm up
     spent: dict = defaultdict(float)
     calls: Counter = Counter()
-    wrap = timer(spent, calls)
     for owner, name, key in [
         (scheduler.Scheduler, "schedule", "schedule"),
         (scheduler.Scheduler, "update_from_output", "update_from_output"),
@@ -101,7 +75,7 @@ def main() -> None:
         (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", "xgrammar fill"),
     ]:
         if owner is not None:
-            wrap(owner, name, key)
+            time_calls(owner, name, key, spent, calls)
     print(f"{args.shape} bfloat16 on {torch.cuda.get_device_name()}: {wl.summary()}")
     for rnd in range(args.rounds):
         for label, params in (("0%", plain), ("100%", guided)):
