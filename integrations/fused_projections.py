@@ -35,10 +35,10 @@ _FUSED_PREFIX = "hf_paged_fused_"
 class FusedProjection(nn.Module):
     """The concatenated weight of one group, and the product of the last input it saw.
 
-    product_hook(fused, product, x, index): called on each product it computes, in place, before
-    the slices are handed out (index None: the whole product; else slice `index` alone, for an
-    input out of the group's order). Multi-LoRA sets it (hf_paged/lora/layers.py) to add every
-    slice's adapter deltas in one shrink and one expand over the contiguous product."""
+    product_hook(fused, x, index): when set, computes each product in place of self.linear
+    (index None: the whole product; else slice `index` alone, for an input out of the group's
+    order). Multi-LoRA sets it (hf_paged/lora/layers.py) to add every slice's adapter deltas
+    over the whole product at once."""
 
     product_hook = None
 
@@ -84,19 +84,18 @@ class FusedProjection(nn.Module):
             return fp8_linear(x, self.weight[rows], scale[rows], bias)
         return F.linear(x, self.weight[rows], bias)
 
+    def _product(self, x: torch.Tensor, index: int | None) -> torch.Tensor:
+        hook = self.product_hook  # an instance attribute: a plain function, not bound
+        if hook is not None:
+            return hook(self, x, index)
+        return self.linear(x, slice(None) if index is None else self.rows(index))
+
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        hook = self.product_hook
         if index == 0:
-            product = self.linear(x)
-            if hook is not None:
-                hook(self, product, x, None)
-            self._parts = product.split(self.sizes, dim=-1)
+            self._parts = self._product(x, None).split(self.sizes, dim=-1)
             self._input = x
         elif self._input is not x:  # not the group's usual call order: compute this slice only
-            out = self.linear(x, self.rows(index))
-            if hook is not None:
-                hook(self, out, x, index)
-            return out
+            return self._product(x, index)
         out = self._parts[index]
         if index == len(self.sizes) - 1:  # last of the group: hold no activations between calls
             self._input = self._parts = None

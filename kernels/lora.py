@@ -105,7 +105,7 @@ def _lora_shrink_kernel(
 @triton.jit(do_not_specialize=["stride_ss", "SPLIT_K"])
 def _lora_expand_kernel(
     y_ptr,  # [T, N0 + N1 + N2] the base product, updated in place
-    s_ptr,  # f32 [SPLIT_K, T, SLICES * R] shrink's partial products
+    s_ptr,  # f32 [SPLIT_K, T, SLICES * R] shrink's partial products, or [T, S * SLICES * R]
     b_ptr,  # [S, N0 + N1 + N2, R] stacked B, each slice's rows in turn
     scale_ptr,  # f32 [SLICES, S]
     sorted_ptr,  # int32 [T]
@@ -117,6 +117,7 @@ def _lora_expand_kernel(
     stride_yt,
     stride_ss,
     stride_st,
+    stride_sslot,  # 0: s holds each token's own slot; SLICES * R: every slot's, in turn
     stride_bs,
     stride_bn,
     stride_ci,  # scale's stride between slices
@@ -150,7 +151,7 @@ def _lora_expand_kernel(
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         s_mask = m_mask[:, None] & r_mask[None, :]
-        s_cols = part * R + offs_r
+        s_cols = slot * stride_sslot + part * R + offs_r
         s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for i in range(SPLIT_K):
             s += tl.load(
@@ -225,9 +226,9 @@ def _precision(stack: torch.Tensor) -> str:
 
 def _split_k(num_tokens: int, k: int, block_m: int, block_k: int) -> int:
     """Programs along the input dimension: enough for ~128 programs when the token tiles are
-    few (decode), never a split shorter than 4 BLOCK_K steps."""
+    few (decode), never a split shorter than 2 BLOCK_K steps."""
     tiles = -(-num_tokens // block_m)
-    return max(1, min(k // (4 * block_k), 128 // tiles))
+    return max(1, min(k // (2 * block_k), 128 // tiles))
 
 
 def lora_shrink(
@@ -248,8 +249,9 @@ def lora_shrink(
     if k_a != k or a_stack.device != x.device:
         raise ValueError(f"a_stack {tuple(a_stack.shape)} does not fit x {tuple(x.shape)}")
     _check_segments(sorted_tokens, slot_start, t, num_slots)
+    # 128-wide input steps, 8 warps: from a sweep of the H200 (2x at prefill chunks' sizes)
     block_m = 16 if t <= 256 else 64
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    block_k = 128 if k >= 1024 else 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     split = split_k or _split_k(t, k, block_m, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no program with an empty range
@@ -265,6 +267,7 @@ def lora_shrink(
         BLOCK_K=block_k,
         DOT_PRECISION=_precision(a_stack),
         DOT_UPCAST=_upcast(a_stack),
+        num_warps=8,
     )  # fmt: skip
     return out
 
@@ -303,29 +306,64 @@ def lora_expand(
     """y[t] += s[t] @ B[slot_t]^T * scale[slot_t] for each token with a slot. With slices (the
     widths of y's column slices, in order, at most 3): slice i's columns take s's columns
     [i * R, (i + 1) * R) and scale[i]: one launch for a fused projection's whole product."""
+    t, n, widths = _check_expand(y, b_stack, slices)
+    rs = len(widths) * b_stack.shape[2]
+    if s.dim() != 3 or s.shape[1:] != (t, rs) or s.dtype != torch.float32 or s.stride(-1) != 1:
+        raise ValueError(f"s must be float32 [split, {t}, {rs}], got {s.dtype} {tuple(s.shape)}")
+    _launch_expand(y, s, 0, b_stack, scale, sorted_tokens, slot_start, widths)
+
+
+def lora_expand_folded(
+    y: torch.Tensor,  # [T, out], updated in place
+    s_all: torch.Tensor,  # [T, S * slices * R]: x @ A^T for every slot (the base GEMM's rows)
+    b_stack: torch.Tensor,  # [S, out, R]
+    scale: torch.Tensor,  # f32 [S], or [slices, S]
+    sorted_tokens: torch.Tensor,  # int32 [T]
+    slot_start: torch.Tensor,  # int32 [S + 1]
+    slices: Sequence[int] | None = None,
+) -> None:
+    """lora_expand where the shrink came out of the base product: s_all holds every slot's
+    x @ A^T (slot-major, then slice, then rank), in the product's dtype, and each token reads its
+    own slot's columns. hf_paged/lora/fold.py says when a projection computes it so."""
+    t, n, widths = _check_expand(y, b_stack, slices)
+    num_slots, _, r = b_stack.shape
+    rs = len(widths) * r
+    if s_all.shape != (t, num_slots * rs) or s_all.stride(-1) != 1 or s_all.dtype != y.dtype:
+        raise ValueError(
+            f"s_all must be {y.dtype} [{t}, {num_slots * rs}] with a contiguous last dimension, "
+            f"got {s_all.dtype} {tuple(s_all.shape)} strides {s_all.stride()}"
+        )
+    _launch_expand(y, s_all[None], rs, b_stack, scale, sorted_tokens, slot_start, widths)
+
+
+def _check_expand(y, b_stack, slices) -> tuple[int, int, tuple[int, ...]]:
     _check_stack("y", y, 2)
     _check_stack("b_stack", b_stack)
     check_launchable(y, "y")
     t, n = y.shape
-    num_slots, n_b, r = b_stack.shape
-    if n_b != n or b_stack.device != y.device:
+    if b_stack.shape[1] != n or b_stack.device != y.device:
         raise ValueError(f"b_stack {tuple(b_stack.shape)} does not fit y {tuple(y.shape)}")
-    widths = _slices(slices, n)
-    rs = len(widths) * r
-    if s.dim() != 3 or s.shape[1:] != (t, rs) or s.dtype != torch.float32 or s.stride(-1) != 1:
-        raise ValueError(f"s must be float32 [split, {t}, {rs}], got {s.dtype} {tuple(s.shape)}")
+    return t, n, _slices(slices, n)
+
+
+def _launch_expand(y, s, slot_stride, b_stack, scale, sorted_tokens, slot_start, widths) -> None:
+    t = y.shape[0]
+    num_slots, _, r = b_stack.shape
     scale = _check_scale(scale, len(widths), num_slots)
     _check_segments(sorted_tokens, slot_start, t, num_slots)
     if t == 0:
         return
+    # tiles from a sweep of the H200 (evals/RESULTS.md): 16 x 128, or 16 x 256 on wide slices,
+    # for decode's few tokens a slot; 64 x 256 for prefill chunks
     block_m = 16 if t <= 256 else 64
-    block_n = min(128, max(16, triton.next_power_of_2(max(widths))))
+    wide = t > 256 or max(widths) >= 4096
+    block_n = min(256 if wide else 128, max(16, triton.next_power_of_2(max(widths))))
     n0, n1, n2 = (*widths, 0, 0)[:3]
     tiles = sum(triton.cdiv(w, block_n) for w in widths)
     grid = (triton.cdiv(t, block_m), tiles, num_slots)
     _lora_expand_kernel[grid](
         y, s, b_stack, scale, sorted_tokens, slot_start,
-        n0, n1, n2, r, y.stride(0), s.stride(0), s.stride(1), b_stack.stride(0),
+        n0, n1, n2, r, y.stride(0), s.stride(0), s.stride(1), slot_stride, b_stack.stride(0),
         b_stack.stride(1), scale.stride(0),
         SPLIT_K=s.shape[0],
         BLOCK_M=block_m,
@@ -333,8 +371,7 @@ def lora_expand(
         BLOCK_R=max(16, triton.next_power_of_2(r)),
         DOT_PRECISION=_precision(b_stack),
         DOT_UPCAST=_upcast(b_stack),
-        # a 64 x 128 float32 tile with y's and B's beside it: twice the registers of 4 warps
-        num_warps=8 if block_m * block_n >= 8192 else 4,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -362,6 +399,16 @@ def lora_shrink_ref(
         h = x.index_select(0, index).to(a_stack.dtype) @ a_stack[slot].T
         out.index_copy_(0, index, h.float())
     return out
+
+
+def own_slot_columns(s_all: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
+    """f32 [T, width]: each token's own slot's columns of s_all ([T, S * width], slot-major),
+    zero for tokens without a slot (lora_expand_folded's reads, for lora_expand_ref)."""
+    t = s_all.shape[0]
+    per_slot = s_all.reshape(t, -1, width)
+    index = token_slots.clamp(min=0).long()[:, None, None].expand(t, 1, width)
+    own = per_slot.gather(1, index)[:, 0].float()
+    return torch.where(token_slots[:, None] >= 0, own, 0.0)
 
 
 def lora_expand_ref(

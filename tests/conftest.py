@@ -215,6 +215,15 @@ def lora_b():
     return randomize_lora_b
 
 
+def fold_lora_shrinks(monkeypatch, on: bool) -> None:
+    """Every LoRA projection an Engine starts with folds its slots' A rows into its base GEMM
+    (on), or none does: the tiny models' appended rows are beyond hf_paged.lora.fold's share,
+    so by default they never fold (hf_paged/lora/fold.py)."""
+    from hf_paged.lora import fold
+
+    monkeypatch.setattr(fold, "MAX_EXTRA_ROWS", 1e9 if on else 0.0)
+
+
 def left_padded_batch(lengths: list[int], vocab: int = VOCAB, pad: int = 0, seed: int = 0):
     """input_ids/attention_mask with left padding; tokens avoid pad/eos/bos ids."""
     g = torch.Generator().manual_seed(seed)

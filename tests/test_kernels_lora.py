@@ -97,6 +97,22 @@ def test_segments_on_the_device_and_the_host_agree():
     assert dev_start.tolist() == host_start.tolist() == [0, 2, 3, 3, 6, 6]
 
 
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 6, 7])
+def test_a_steps_lora_batch_parts_start_on_16_byte_boundaries(t):
+    # Triton specialises on pointer alignment: any other start would compile kernel variants
+    # by the step's token count
+    from hf_paged.lora.batch import lora_batch
+
+    slots = np.random.default_rng(t).integers(-1, 4, t).astype(np.int32)
+    batch = lora_batch(slots, 4, torch.device("cpu"))
+    parts = (batch.token_slots, batch.sorted_tokens, batch.slot_start)
+    assert all(p.data_ptr() % 16 == 0 for p in parts)
+    host_sorted, host_start = lora_segments_host(slots, 4)
+    assert batch.token_slots.tolist() == slots.tolist()
+    assert batch.sorted_tokens.tolist() == host_sorted.tolist()
+    assert batch.slot_start.tolist() == host_start.tolist()
+
+
 def test_no_token_with_an_adapter_changes_nothing():
     a, b, scale = _stacks(16, 16, torch.float32)
     slots = torch.full((3,), -1, dtype=torch.int32)

@@ -16,9 +16,11 @@ from hf_paged.kernels.fused_gemv import rms_norm_ref
 from hf_paged.kernels.lora import (
     LoraEpilogue,
     lora_expand,
+    lora_expand_folded,
     lora_expand_ref,
     lora_shrink,
     lora_shrink_ref,
+    own_slot_columns,
 )
 from hf_paged.kernels.lora_epilogue import lora_rows_shrink, rows_shrink_tiles
 
@@ -94,6 +96,52 @@ def test_one_shrink_and_one_expand_over_three_slices(dtype):
         lora_expand(part, lora_shrink(x, view_a, *segments), view_b, scale[i], *segments)
         torch.testing.assert_close(part, got[:, start : start + w], atol=1e-5, rtol=1e-5)
         start += w
+
+
+def _extended(x, w, a):
+    """x @ [W; A_0; ...; A_S-1]^T: the folded projection's product (hf_paged/lora/fold.py)."""
+    return F.linear(x, torch.cat([w, a.reshape(-1, a.shape[-1])]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_expand_reads_each_tokens_slot_out_of_the_extended_product(dtype):
+    k, widths = 40, (24, 8, 13)
+    n = sum(widths)
+    a, b, scale, adapters = _group(k, widths, dtype)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(len(slots), k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    full = _extended(x, w, a)
+    y, s_all = full[:, :n], full[:, n:]  # strided views, as the engine hands them over
+    base = y.clone()
+    lora_expand_folded(y, s_all, b, scale, *lora_segments(slots, len(RANKS)), slices=widths)
+    own = own_slot_columns(s_all, slots, 3 * R)
+    ref = lora_expand_ref(base, own, b, scale, slots, slices=widths)
+    want = _by_definition(x, base, adapters, widths, slots)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.03)
+    torch.testing.assert_close(y.double(), want, **tol)
+    torch.testing.assert_close(ref.double(), want, **tol)
+    none = slots < 0
+    assert torch.equal(y[none], base[none]) and not own[none].any()
+    assert torch.equal(full[:, n:], s_all)  # the shrink's columns are read, not written
+    # the separate shrink's expand on the same rounded shrink: the same sums
+    s = torch.where(none[:, None], 0.0, own)[None]
+    separate = base.clone()
+    lora_expand(separate, s, b, scale, *lora_segments(slots, len(RANKS)), slices=widths)
+    torch.testing.assert_close(separate, y, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_folded_expand_inputs_are_refused():
+    k, widths = 16, (8, 8)
+    a, b, scale, _ = _group(k, widths, torch.float32)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    full = _extended(torch.randn(2, k), torch.randn(16, k), a)
+    seg = lora_segments(slots, 3)
+    with pytest.raises(ValueError, match="s_all"):  # one slot's columns short
+        lora_expand_folded(full[:, :16], full[:, 16:-1], b, scale, *seg, slices=widths)
+    with pytest.raises(ValueError, match="s_all"):  # another dtype than the product's
+        lora_expand_folded(full[:, :16], full[:, 16:].double(), b, scale, *seg, slices=widths)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -338,6 +386,32 @@ def test_gpu_grouped_shrink_expand_real_shapes(shape, t, group):
         lora_expand(part, lora_shrink(x, view_a, *seg), b[:, start : start + w], scale[i], *seg)
         torch.testing.assert_close(part, got[:, start : start + w], atol=2e-2, rtol=1e-2)
         start += w
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("t", [3, 64, 300, 2048])
+@pytest.mark.parametrize("group", ["qkv", "gate_up"])
+def test_gpu_folded_expand_real_shapes(shape, t, group):
+    hidden, qkv, inter = SHAPES[shape]
+    widths = qkv if group == "qkv" else (inter, inter)
+    n = sum(widths)
+    g = torch.Generator(device="cuda").manual_seed(t)
+    a, b, scale = _cuda_group(hidden, widths, g)
+    slots = _cuda_slots(t, g)
+    x = torch.randn(t, hidden, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(n, hidden, generator=g, device="cuda") / hidden**0.5).bfloat16()
+    full = _extended(x, w, a)
+    base = full[:, :n].clone()
+    y, s_all = full[:, :n], full[:, n:]
+    lora_expand_folded(y, s_all, b, scale, *lora_segments(slots, SLOTS_GPU), slices=widths)
+    torch.cuda.synchronize()
+    mine = slots >= 0
+    own = own_slot_columns(s_all, slots, len(widths) * RANK)
+    want = lora_expand_ref(base.float(), own, b.float(), scale, slots, slices=widths)
+    assert torch.equal(y[~mine], base[~mine]) and not y.isnan().any()
+    torch.testing.assert_close(y.float(), want, atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

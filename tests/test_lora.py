@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from tests.conftest import peft_generate_alone
+from tests.conftest import fold_lora_shrinks, peft_generate_alone
 
 peft = pytest.importorskip("peft")
 
@@ -19,8 +19,11 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_each_row_gets_its_own_adapter(peft_model):
+@pytest.mark.parametrize("folded", [False, True])
+def test_each_row_gets_its_own_adapter(peft_model, monkeypatch, folded):
+    fold_lora_shrinks(monkeypatch, folded)
     model = peft_model()
+    weights = {n: (p.data_ptr(), p.clone()) for n, p in model.named_parameters()}
     prompts = _prompts([7, 19, 12, 30, 9])
     names = ["math", None, "chat", "code", "math"]
     want = [peft_generate_alone(model, p, n, 8) for p, n in zip(prompts, names)]
@@ -34,8 +37,16 @@ def test_each_row_gets_its_own_adapter(peft_model):
     assert got == want
     eng.check_invariants()
     eng.shutdown()
-    # the model's own forward is peft's again
+    # the model's own forward is peft's again, its weights what they were, in storage of their
+    # own (a folded projection's weight was a view of its extended GEMM's rows)
     assert not any("_hf_paged_peft_forward" in m.__dict__ for m in model.modules())
+    unfused = ("o_proj.base_layer.weight", "down_proj.base_layer.weight")  # (q/k/v: views)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name][1]), name
+        if name.endswith(unfused):
+            assert p.untyped_storage().nbytes() == p.nbytes, name
+    moved = [n for n, p in model.named_parameters() if p.data_ptr() != weights[n][0]]
+    assert any(n.endswith(unfused) for n in moved) == folded
 
 
 def test_prefix_cache_is_shared_within_an_adapter_only(peft_model):
@@ -91,9 +102,13 @@ def test_unknown_adapter_names_are_refused(peft_model, tiny_model):
     plain.shutdown()
 
 
-def test_adapter_loaded_while_the_engine_runs(peft_model, lora_b):
+@pytest.mark.parametrize("folded", [False, True])
+def test_adapter_loaded_while_the_engine_runs(peft_model, lora_b, monkeypatch, folded):
+    # folded: the layers routed at start-up compute their shrink in the base GEMM, the layers
+    # peft wraps later (k_proj) a separate one
     from peft import LoraConfig
 
+    fold_lora_shrinks(monkeypatch, folded)
     model = peft_model()
     eng = Engine(model)
     prompt = _prompts([10], seed=6)[0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from tests.conftest import count_small_batch_rows, peft_generate_alone
+from tests.conftest import count_small_batch_rows, fold_lora_shrinks, peft_generate_alone
 
 peft = pytest.importorskip("peft")
 
@@ -67,6 +67,51 @@ def test_a_layers_qkv_group_is_one_shrink_op(peft_model, monkeypatch):
     layers_n = model.config.num_hidden_layers
     assert calls and len(calls) % (4 * layers_n) == 0
     assert calls == per_layer * (len(calls) // 4)
+
+
+def test_folded_projections_shrink_in_their_base_gemm(peft_model, monkeypatch):
+    # each projection's GEMM computes x @ [W; A_0; ...; A_S-1]^T: per layer and step, four
+    # expands read their tokens' slots' columns of it, and no separate shrink runs
+    from hf_paged.lora import fold, layers
+    from hf_paged.lora.slots import GROUP_A, A
+
+    fold_lora_shrinks(monkeypatch, True)
+    model = _model(peft_model)
+    prompts = _prompts([7, 5, 9], seed=1)
+    names = ["all", None, "qv"]
+    want = [peft_generate_alone(model, p, n, 4) for p, n in zip(prompts, names)]
+    eng = Engine(model, small_batch_rows=0, **ENGINE)
+    attn, mlp = _layer(model).self_attn, _layer(model).mlp
+    fused = attn.q_proj.base_layer.fused
+    ext, o_ext = fused._buffers[fold.EXT_WEIGHT], attn.o_proj.base_layer._buffers[fold.EXT_WEIGHT]
+    qkv = fused.sizes
+    # the weights and the slots' A are views of the extended GEMM's rows: an adapter copied into
+    # a slot is in the GEMM
+    assert fused.weight.data_ptr() == ext.data_ptr()
+    assert fused._buffers[GROUP_A].data_ptr() == ext[sum(qkv)].data_ptr()
+    assert getattr(attn.o_proj, A).data_ptr() == o_ext[attn.o_proj.out_features].data_ptr()
+    calls, shrinks = [], []
+    real = fold.fold_add_
+
+    def counting(full, b, scale, sizes):
+        calls.append((list(sizes), full.shape[-1]))
+        return real(full, b, scale, sizes)
+
+    monkeypatch.setattr(fold, "fold_add_", counting)
+    monkeypatch.setattr(layers, "_add", lambda *a: shrinks.append(a))
+    got = [o.output_token_ids for o in eng.generate(prompts, [_params(n) for n in names])]
+    s = eng.config.max_loras
+    eng.shutdown()
+    assert got == want and not shrinks
+    inter, hidden = mlp.gate_proj.out_features, attn.o_proj.out_features
+    per_layer = [
+        (list(qkv), sum(qkv) + s * 15),
+        ([hidden], hidden + s * 5),
+        ([inter, inter], 2 * inter + s * 10),
+        ([hidden], hidden + s * 5),
+    ]
+    assert calls and calls == per_layer * (len(calls) // 4)
+    assert fold.EXT_WEIGHT not in fused._buffers  # shutdown gives the weights their storage back
 
 
 def test_small_batch_forward_shrinks_once_a_group_and_expands_in_the_gemvs(peft_model, monkeypatch):
@@ -140,8 +185,13 @@ def test_slices_hold_views_of_their_groups_buffers(peft_model):
     assert GROUP_A not in fused._buffers and not hasattr(attn.q_proj, A)  # they leave with it
 
 
-@pytest.mark.parametrize("small_batch_rows", [0, 8])
-def test_a_slice_disabled_alone_takes_per_slice_deltas(peft_model, small_batch_rows):
+@pytest.mark.parametrize("small_batch_rows, folded", [(0, False), (8, False), (0, True), (8, True)])
+def test_a_slice_disabled_alone_takes_per_slice_deltas(
+    peft_model, monkeypatch, small_batch_rows, folded
+):
+    # folded: the group's product leaves the appended rows out (its weight's rows alone) and
+    # each live slice shrinks on its own from its view of them
+    fold_lora_shrinks(monkeypatch, folded)
     model = _model(peft_model)
     prompts = _prompts([6, 8], seed=4)
     names = ["all", "qv"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from tests.conftest import peft_generate_alone
+from tests.conftest import fold_lora_shrinks, peft_generate_alone
 
 peft = pytest.importorskip("peft")
 
@@ -26,10 +26,13 @@ def _params(name, max_tokens=5):
     return SamplingParams(max_tokens=max_tokens, temperature=0, adapter=name)
 
 
-def test_kernels_in_an_engine_step_give_peft_tokens(peft_model, monkeypatch):
-    from hf_paged.lora import layers
+@pytest.mark.parametrize("folded", [False, True])
+def test_kernels_in_an_engine_step_give_peft_tokens(peft_model, monkeypatch, folded):
+    # folded: the expand reads each token's slot's columns out of the extended base GEMM
+    from hf_paged.lora import fold
 
-    monkeypatch.setattr(layers, "USE_KERNELS", True)  # Triton's interpreter on CPU tensors
+    fold_lora_shrinks(monkeypatch, folded)
+    monkeypatch.setattr(fold, "USE_KERNELS", True)  # Triton's interpreter on CPU tensors
     model = peft_model()
     prompts = _prompts([9, 4, 6, 5], seed=1)
     names = ["chat", None, "code", "math"]
@@ -40,15 +43,16 @@ def test_kernels_in_an_engine_step_give_peft_tokens(peft_model, monkeypatch):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("kernels", [False, True])
-def test_graph_inputs_carry_each_tokens_slot(peft_model, monkeypatch, kernels):
+@pytest.mark.parametrize("kernels, folded", [(False, False), (True, False), (True, True)])
+def test_graph_inputs_carry_each_tokens_slot(peft_model, monkeypatch, kernels, folded):
     # the CUDA-graph runner's static padded buffers, run without capture on the CPU: decode
     # batches padded to a bucket and mixed steps padded to a token bucket, the adapter slots a
     # packed input (padding: -1) grouped by slot inside the graph's forward
-    from hf_paged.lora import layers
+    from hf_paged.lora import fold
     from hf_paged.worker.cuda_graphs import CudaGraphRunner
 
-    monkeypatch.setattr(layers, "USE_KERNELS", kernels)
+    fold_lora_shrinks(monkeypatch, folded)
+    monkeypatch.setattr(fold, "USE_KERNELS", kernels)
     model = peft_model()
     prompts = _prompts([9, 3, 14], seed=8)
     names = ["code", "chat", None]
@@ -256,9 +260,11 @@ def test_an_adapter_loaded_later_may_target_any_projection(peft_model, lora_b):
     assert len(bases) == 10 and all(type(b) is torch.nn.Linear for b in bases)
 
 
-def test_compiled_lora_path_matches_eager_with_one_graph(peft_model):
+@pytest.mark.parametrize("folded", [False, True])
+def test_compiled_lora_path_matches_eager_with_one_graph(peft_model, monkeypatch, folded):
     import torch._dynamo
 
+    fold_lora_shrinks(monkeypatch, folded)
     model = peft_model()
     prompts = _prompts([3, 17, 9, 30], seed=6)
     names = ["math", "chat", None, "code"]

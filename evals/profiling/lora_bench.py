@@ -2,7 +2,8 @@
 
     python evals/profiling/lora_bench.py [--shape llama-3-8b] [--adapters 8] [--rank 16]
         [--workload synthetic|FILE.json] [--requests 256] [--new-tokens 256] [--hf-batch 64]
-        [--hf-requests 128] [--passes 1] [--rounds 1] [--device cuda] [--dtype bfloat16]
+        [--hf-requests 128] [--passes 1] [--rounds 1] [--profile] [--device cuda]
+        [--dtype bfloat16]
         [engine options: --compile 0 --max-loras 8 ...]
 
 A model of the shape with random weights; W1's prompts (evals/workloads.py, the first
@@ -26,6 +27,9 @@ of base, 1 adapter >= 90%, batch 1 with an adapter >= 85% of batch 1 without.
 alternated N times after one untimed round (interleaved() says why); no batch-1 or
 transformers runs. Every timed pass starts with an empty prefix cache.
 
+--profile: after each batched engine run, one more pass under torch.profiler: wall and GPU-busy
+milliseconds, prefill-carrying and decode-only step counts, the kernels by time.
+
 --device cpu --dtype float32 --shape smollm2-135m runs the same on the CPU (a smoke test).
 """
 
@@ -35,9 +39,19 @@ import argparse
 import time
 
 import torch
-from bench_setup import PEAK_BW, SHAPES, add_engine_options, build_model, engine_options, workloads
+from bench_setup import (
+    PEAK_BW,
+    SHAPES,
+    add_engine_options,
+    build_model,
+    engine_options,
+    gpu_busy_us,
+    kernel_rows,
+    workloads,
+)
 
 PASSES = 1  # timed passes of each engine run (--passes); the last one is reported
+PROFILE = False  # --profile: one more pass of each batched run under torch.profiler
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -70,7 +84,52 @@ def run(eng, prompts, names, lengths: list[int], device: str) -> float:
         rates.append(sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t))
     if len(rates) > 1:
         print("  passes: " + ", ".join(f"{r:,.0f}" for r in rates) + " tok/s", flush=True)
+    if PROFILE and len(prompts) > 1:
+        profiled_pass(eng, prompts, params)
     return rates[-1]
+
+
+def profiled_pass(eng, prompts, params) -> None:
+    """One more pass (prefix cache emptied) under torch.profiler: its wall time, the GPU's busy
+    time (union of kernel intervals) and its kernels by total time, in ms for the whole pass,
+    steps split into prefill-carrying and decode-only by the scheduler's token count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    marks: list[tuple[float, str]] = []  # (when, kind) of each step scheduled
+    original = eng.scheduler.schedule
+
+    def counted(*a, **k):
+        out = original(*a, **k)
+        n = out.total_num_scheduled_tokens
+        if n:
+            marks.append((time.perf_counter(), "decode" if n == len(out) else "mixed"))
+        return out
+
+    graphs = eng.runner.graphs
+    replays = dict(graphs.replays) if graphs is not None else {}
+    eng.scheduler.schedule = counted
+    eng.reset_prefix_cache()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        eng.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    eng.scheduler.schedule = original
+    # a step's wall: from its schedule() to the next one's (the last one: to the pass's end)
+    by_kind = {"mixed": [0, 0.0], "decode": [0, 0.0]}
+    for (when, kind), (after, _) in zip(marks, [*marks[1:], (t + wall, "")]):
+        by_kind[kind][0] += 1
+        by_kind[kind][1] += after - when
+    steps = ", ".join(f"{k} {n} steps {ms * 1e3:,.1f} ms" for k, (n, ms) in by_kind.items())
+    if graphs is not None:
+        steps += f"; graph replays { {k: graphs.replays[k] - replays[k] for k in replays} }"
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(
+        f"  profiled pass: {wall * 1e3:,.1f} ms wall, GPU busy {gpu_busy_us(kernels) / 1e3:,.1f} "
+        f"ms; {steps} (us per pass below, / 1000 = ms)" + kernel_rows(kernels, 1, top=18),
+        flush=True,
+    )
 
 
 def run_hf(model, prompts, names, new_tokens: int, batch: int, device: str) -> float:
@@ -135,14 +194,18 @@ def main() -> None:
         "many rounds (medians reported; each engine gets --memory-share of the GPU's memory)",
     )  # fmt: skip
     parser.add_argument("--memory-share", type=float, default=0.4, help="with --rounds > 1")
+    parser.add_argument(
+        "--profile", action="store_true", help="one more pass of each batched run, profiled"
+    )
     parser.add_argument("--hf-requests", type=int, default=128, help="requests run by peft")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add_engine_options(parser)
     args = parser.parse_args()
     opts = engine_options(args)
-    global PASSES
+    global PASSES, PROFILE
     PASSES = max(1, args.passes)
+    PROFILE = args.profile and args.device == "cuda"
     model = build_model(args.shape, getattr(torch, args.dtype), args.device)
     vocab = model.config.vocab_size
     if args.workload == "synthetic":

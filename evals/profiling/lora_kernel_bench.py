@@ -13,8 +13,10 @@ spread over the slots and the base model), timed as CUDA-graph replays with L2 f
   GEMVs' epilogues (kernels/lora_epilogue.py::LoraEpilogue). Attention and RoPE are left out
   (the same with and without adapters). The bound: the layer's weight bytes at the H200's bandwidth.
 - many tokens (the transformers forward's path): the layer's four GEMMs (cuBLAS), then the LoRA
-  ops on top, grouped (q/k/v and gate/up one shrink + one expand each: 4 ops) and per slice (7
-  shrink + expand pairs on the slices' views, as before grouping).
+  ops: folded (each GEMM's weight with the slots' A rows appended, one expand reading the
+  token's slot's columns: hf_paged/lora/fold.py, the default where it fits), grouped (q/k/v and
+  gate/up one shrink + one expand each: 4 shrinks, 4 expands) and per slice (7 shrink + expand
+  pairs on the slices' views, as before grouping).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class Layer:
             b = rnd(slots, sum(widths), rank, scale=0.01)
             scale = torch.full((len(widths), slots), 2.0, device="cuda")
             self.groups[name] = (a, b, scale, widths)
+        # the folded layout (hf_paged/lora/fold.py): each weight with its slots' A rows after it
+        self.ext = {
+            name: torch.cat([w, self.groups[name][0].reshape(-1, w.shape[1])])
+            for name, w in (
+                ("qkv", self.w_qkv), ("o", self.w_o), ("gate_up", self.w_gu), ("down", self.w_down)
+            )
+        }  # fmt: skip
 
     def weight_bytes(self) -> int:
         return sum(w.numel() * 2 for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down))
@@ -97,6 +106,7 @@ class Layer:
 
     def many_tokens(self, t: int, mode: str):
         from hf_paged.kernels import lora_expand, lora_segments, lora_shrink
+        from hf_paged.kernels.lora import lora_expand_folded
 
         x = torch.randn(t, self.hidden, device="cuda").bfloat16()
         xi = torch.randn(t, self.inter, device="cuda").bfloat16()
@@ -116,7 +126,19 @@ class Layer:
                             scale[i], *seg)  # fmt: skip
                 start += w
 
+        def folded(x_in, name):
+            a, b, scale, widths = self.groups[name]
+            full = F.linear(x_in, self.ext[name])
+            n = sum(widths)
+            lora_expand_folded(full[:, :n], full[:, n:], b, scale, *seg, slices=widths)
+
         def layer():
+            if mode == "folded":
+                folded(x, "qkv")
+                folded(x, "o")
+                folded(x, "gate_up")
+                folded(xi, "down")
+                return
             qkv = F.linear(x, self.w_qkv)
             o = F.linear(x, self.w_o)
             gu = F.linear(x, self.w_gu)
@@ -140,8 +162,9 @@ def main() -> None:
         help="token counts of the many-token rows (comma list; prefill chunks reach 8192)",
     )  # fmt: skip
     parser.add_argument(
-        "--profile", action="store_true", help="kernels by time: 1 row with LoRA, 16 tokens grouped"
-    )
+        "--profile", action="store_true",
+        help="kernels by time: 1 row with LoRA, then each --tokens count grouped",
+    )  # fmt: skip
     args = parser.parse_args()
     from hf_paged.kernels.fused_gemv import pdl_available
 
@@ -158,17 +181,21 @@ def main() -> None:
         with_lora = bench_graph(layer.small_batch(rows, True, pdl)) * 1e3
         print(f"| {rows} | {base:.1f} | {with_lora:.1f} | {base / with_lora:.1%} |", flush=True)
     print("\nmany tokens (cuBLAS GEMMs + LoRA ops)\n")
-    print("| tokens | base us | grouped us | per slice us | base / grouped | base / per slice |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    modes = ("base", "folded", "grouped", "slices")
+    print(
+        "| tokens | " + " | ".join(f"{m} us" for m in modes) + " | base / folded | base / grouped |"
+    )
+    print("|" + " --- |" * (len(modes) + 3))
     for t in (int(v) for v in args.tokens.split(",")):
-        times = {
-            m: bench_graph(layer.many_tokens(t, m)) * 1e3 for m in ("base", "grouped", "slices")
-        }
-        b, gr, sl = times["base"], times["grouped"], times["slices"]
-        print(f"| {t} | {b:.1f} | {gr:.1f} | {sl:.1f} | {b / gr:.1%} | {b / sl:.1%} |", flush=True)
+        times = {m: bench_graph(layer.many_tokens(t, m)) * 1e3 for m in modes}
+        b, fo, gr = times["base"], times["folded"], times["grouped"]
+        cells = " | ".join(f"{times[m]:.1f}" for m in modes)
+        print(f"| {t} | {cells} | {b / fo:.1%} | {b / gr:.1%} |", flush=True)
     if args.profile:
         _profile("small batch, 1 row, LoRA", layer.small_batch(1, True, pdl))
-        _profile("many tokens, 16, grouped", layer.many_tokens(16, "grouped"))
+        for t in (int(v) for v in args.tokens.split(",")):
+            for mode in ("folded", "grouped"):
+                _profile(f"many tokens, {t}, {mode}", layer.many_tokens(t, mode))
 
 
 def _profile(title: str, fn, reps: int = 10) -> None:

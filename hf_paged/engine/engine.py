@@ -87,6 +87,7 @@ class Engine:
         self._lease.fused |= self.num_fused_projections > 0
         if routing is not None:  # fused slices' LoRA layers: views of their group's buffers
             routing.slots.regroup()
+            routing.slots.fold_shrinks()  # A rows in the base GEMMs (hf_paged/lora/fold.py)
         self.core = core = EngineCore(
             model, config, routing, self.tokenizer, self._lease.tp, startup
         )

@@ -37,7 +37,17 @@ def lora_batch(token_slots: np.ndarray, num_slots: int, device: torch.device) ->
     """The batch for these per-token slots (host numpy, -1: no adapter) on the device."""
     token_slots = token_slots.astype(np.int32)
     sorted_tokens, slot_start = lora_segments_host(token_slots, num_slots)
-    # one copy for the three: they are small and every LoRA layer of the step reads them
-    packed = to_device(np.concatenate([token_slots, sorted_tokens, slot_start]), device)
+    # one copy for the three: they are small and every LoRA layer of the step reads them. Each
+    # starts on a 16-byte boundary: Triton specialises a kernel on its pointers' alignment, and
+    # parts at offsets of 4 * t bytes compiled another variant of the LoRA kernels for each
+    # t % 4 an eager (prefill) step met, in the middle of a run (host_to_device.device_rows)
     t = token_slots.shape[0]
-    return LoraBatch(packed[:t], packed[t : 2 * t], packed[2 * t :])
+    width = -(-t // 4) * 4
+    packed = np.zeros(2 * width + num_slots + 1, dtype=np.int32)
+    packed[:t], packed[width : width + t], packed[2 * width :] = (
+        token_slots,
+        sorted_tokens,
+        slot_start,
+    )
+    packed = to_device(packed, device)
+    return LoraBatch(packed[:t], packed[width : width + t], packed[2 * width :])

@@ -27,6 +27,7 @@ import types
 
 import torch
 
+from hf_paged.lora import fold
 from hf_paged.lora.slots import (
     GROUP_A,
     GROUP_B,
@@ -40,9 +41,6 @@ from hf_paged.lora.slots import (
 from hf_paged.worker.forward_context import get_forward_context, in_engine_step
 
 _ORIGINAL = "_hf_paged_peft_forward"
-# The Triton kernels run on CUDA tensors; None: there only. Tests set True to run them in
-# Triton's CPU interpreter inside an engine step.
-USE_KERNELS: bool | None = None
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -114,23 +112,37 @@ def grouped(fused: torch.nn.Module) -> bool:
     """Whether a FusedProjection adds its slices' deltas itself: it holds group buffers and
     every routed LoRA layer of its slices is live (a layer disabled or merged on its own, which
     peft's own calls never do, leaves each live layer to add its delta alone)."""
-    wrappers = (fused.__dict__.get(WRAPPERS) or {}).values()
-    return bool(wrappers) and all(live(w) for w in wrappers)
+    # plain branches: the H200 host's dynamo (Python 3.12) does not trace the builtin bool() of
+    # a dict's values or of a list; it broke each compiled decoder layer into 17 graphs there,
+    # with nothing fused across them
+    wrappers = fused.__dict__.get(WRAPPERS)
+    if not wrappers:
+        return False
+    for wrapper in wrappers.values():
+        if not live(wrapper):
+            return False
+    return True
 
 
-def group_product_hook(fused, y: torch.Tensor, x: torch.Tensor, index: int | None) -> None:
-    """FusedProjection's product hook: y (its whole product, index None, or slice `index`
-    alone) += the LoRA deltas of the step's tokens."""
+def group_product(fused, x: torch.Tensor, index: int | None) -> torch.Tensor:
+    """FusedProjection's product hook: its product of x (index None: the whole group's; else
+    slice `index` alone) plus, in an engine step, the LoRA deltas of the step's tokens."""
+    rows = slice(None) if index is None else fused.rows(index)
     if not in_engine_step() or not grouped(fused):
-        return
+        return fused.linear(x, rows)
     if index is None:
         buffers = fused._buffers
         sizes = list(fused.sizes)
+        if fold.folded(fused):  # the shrink is in the GEMM (hf_paged/lora/fold.py)
+            return fold.product(fused, x, buffers[GROUP_B], buffers[GROUP_SCALE], sizes)
+        y = fused.linear(x)
         group_add_(y, x, buffers[GROUP_A], buffers[GROUP_B], buffers[GROUP_SCALE], sizes)
-        return
+        return y
+    y = fused.linear(x, rows)
     wrapper = fused.__dict__[WRAPPERS].get(index)  # inputs not in the group's order
     if wrapper is not None:
         lora_add_(y, x, getattr(wrapper, A), getattr(wrapper, B), getattr(wrapper, SCALE))
+    return y
 
 
 def _paged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -139,7 +151,11 @@ def _paged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     part = projection_slice(self)
     if part is not None and grouped(part.fused):  # the fused product has this slice's delta
         return self.base_layer(x, *args, **kwargs)
-    result = self.base_layer(x, *args, **kwargs)
+    base = self.base_layer
+    if fold.folded(base):  # the shrink is in the GEMM (hf_paged/lora/fold.py)
+        scale = getattr(self, SCALE)[None]
+        return fold.product(base, x, getattr(self, B), scale, [base.out_features])
+    result = base(x, *args, **kwargs)
     lora_add_(result, x, getattr(self, A), getattr(self, B), getattr(self, SCALE))
     return result
 
@@ -153,7 +169,7 @@ def _add(y, x, a, b, scale, slices: list[int] | None) -> None:
         return
     flat_y = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1])
     flat_x = x.reshape(-1, x.shape[-1])
-    if y.is_cuda if USE_KERNELS is None else USE_KERNELS:
+    if fold.use_kernels(y):
         from hf_paged.kernels.lora import lora_expand, lora_shrink
 
         segments = (batch.sorted_tokens, batch.slot_start)

@@ -29,6 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+from hf_paged.lora import fold
 
 A, B, SCALE = "hf_paged_lora_a", "hf_paged_lora_b", "hf_paged_lora_scale"
 # a FusedProjection's group buffers, and the routed LoRA layer of each of its slices
@@ -57,6 +60,7 @@ class LoraSlots:
         # adapter name -> (a layer holding it, its lora_A module there) when it was copied: a
         # different module there means peft replaced the adapter
         self._probe: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+        self._folded = False  # fold_shrinks ran (it runs once)
 
     def add_layers(self, layers: dict[str, torch.nn.Module]) -> None:
         """Give these LoRA layers their (zero) buffers, filled for the adapters already in
@@ -115,9 +119,9 @@ class LoraSlots:
                 persistent=False,
             )
             fused.__dict__[WRAPPERS] = {}  # slice -> its LoRA layer (not submodules: peft's)
-            from hf_paged.lora.layers import group_product_hook  # (layers imports this module)
+            from hf_paged.lora.layers import group_product  # (layers imports this module)
 
-            fused.product_hook = group_product_hook
+            fused.product_hook = group_product
             self._groups.append(fused)
         i, r = part.index, self.max_rank
         fused.__dict__[WRAPPERS][i] = layer
@@ -127,11 +131,37 @@ class LoraSlots:
             fused._buffers[GROUP_SCALE][i],
         )
 
+    def fold_shrinks(self) -> None:
+        """Append the slots' A rows to the base weights where that pays (hf_paged/lora/fold.py),
+        once, at the first Engine's start-up, after fusing and before anything compiles or
+        captures the forward: a weight moved later would leave a captured graph reading freed
+        memory. Layers routed later keep their own A and a separate shrink."""
+        if self._folded:
+            return
+        self._folded = True
+        r = self.max_rank
+        for fused in self._groups:
+            a = fused._buffers[GROUP_A]
+            rows = a.shape[0] * a.shape[1]
+            if "weight_scale" in fused._buffers or not fold.foldable(fused.weight, rows):
+                continue
+            a = fold.extend(fused, a)
+            fused.register_buffer(GROUP_A, a, persistent=False)
+            for i, layer in fused.__dict__[WRAPPERS].items():
+                layer.register_buffer(A, a[:, i * r : (i + 1) * r], persistent=False)
+        for layer in self.layers.values():
+            base = layer.base_layer
+            a = layer._buffers[A]
+            if type(base) is nn.Linear and fold.foldable(base.weight, a.shape[0] * a.shape[1]):
+                layer.register_buffer(A, fold.extend(base, a), persistent=False)
+
     def remove_layers(self) -> None:
         for layer in self.layers.values():
             for key in (A, B, SCALE):
                 layer._buffers.pop(key, None)
+            fold.restore(layer.base_layer)
         for fused in self._groups:
+            fold.restore(fused)
             for key in (GROUP_A, GROUP_B, GROUP_SCALE):
                 fused._buffers.pop(key, None)
             fused.__dict__.pop(WRAPPERS, None)
