@@ -8,14 +8,15 @@ adapter slot in the forward context (hf_paged.lora.batch.LoraBatch), and every L
 x @ A[slot]^T @ B[slot]^T * scale[slot] from its stacked buffers (hf_paged.lora.slots) through
 one custom op: the Triton shrink/expand kernels on CUDA (kernels/lora.py), their torch refs
 elsewhere. The op's shapes depend on the token count only, and torch.compile sees one opaque call
-(no data-dependent gather, no graph break), so the LoRA path runs compiled. The base weights are
-never touched; peft keeps its adapters, the slots hold copies.
+(no data-dependent gather, no graph break), so the LoRA path runs compiled. The base weights'
+values are never touched; peft keeps its adapters, the slots hold copies.
 
 A fused projection's slices (q/k/v, gate/up: integrations/fused_projections.py) take their deltas
-together: the FusedProjection's product hook (group_product_hook) runs one shrink over the
-group's stacked A and one expand over its whole product (group_add_), so a decoder layer makes
-4 LoRA ops instead of 7, and no op writes into a strided column slice; the slices' LoRA layers
-then return the slice as it is.
+together: the FusedProjection's product hook (group_product) runs one shrink over the group's
+stacked A and one expand over its whole product (group_add_), so a decoder layer makes 4 LoRA
+ops instead of 7, and no op writes into a strided column slice; the slices' LoRA layers then
+return the slice as it is. Where a projection's weight has its slots' A rows appended
+(hf_paged/lora/fold.py), its GEMM does the shrink and only the expand runs (fold.product).
 
 Outside an engine step (a plain forward of the model) the layer runs peft's own forward.
 """
