@@ -85,9 +85,8 @@ class Engine:
         # before compile and graph capture see the model; put back by the last Engine on it
         self.num_fused_projections = _prepare_weights(model, config, self._lease, startup)
         self._lease.fused |= self.num_fused_projections > 0
-        if routing is not None:  # fused slices' LoRA layers: views of their group's buffers
-            routing.slots.regroup()
-            routing.slots.fold_shrinks()  # A rows in the base GEMMs (hf_paged/lora/fold.py)
+        if routing is not None:  # slices' LoRA buffers: their group's; A rows in the GEMMs
+            routing.slots.after_fusing()
         self.core = core = EngineCore(
             model, config, routing, self.tokenizer, self._lease.tp, startup
         )

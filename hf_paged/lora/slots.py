@@ -131,6 +131,11 @@ class LoraSlots:
             fused._buffers[GROUP_SCALE][i],
         )
 
+    def after_fusing(self) -> None:
+        """An Engine fused the model's projections (start-up, before compile and graphs)."""
+        self.regroup()
+        self.fold_shrinks()
+
     def fold_shrinks(self) -> None:
         """Append the slots' A rows to the base weights where that pays (hf_paged/lora/fold.py),
         once, at the first Engine's start-up, after fusing and before anything compiles or
