@@ -1,10 +1,11 @@
 """Decode steps whose rows all sample in the kernels draw in a sampling graph of their own
 (hf_paged/worker/decode_sampling.py), run without capture (CudaGraphRunner(eager=True)) on the
-CPU with the Triton kernels interpreted: seeded requests give the tokens of the engine without
-graphs (the sampler's path), for the candidate-list kernel, the search kernel, padded buckets and
-rows that change mid-run, penalised rows (their counts kept on the device, inside the graph);
-batches the kernels cannot take whole go through the sampler; unseeded
-runs repeat under torch.manual_seed. Capture and replay on a GPU: tests/test_gpu_engine.py."""
+CPU with the sampling kernels interpreted (attention by the torch backend: interpreted attention
+kernels cost ~30 s a test and are not what these test): seeded requests give the tokens of the
+engine without graphs (the sampler's path), for the candidate-list kernel, the search kernel,
+padded buckets and rows that change mid-run, penalised rows (their counts kept on the device,
+inside the graph); batches the kernels cannot take whole go through the sampler; unseeded runs
+repeat under torch.manual_seed. Capture and replay on a GPU: tests/test_gpu_engine.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _prompts(lengths, seed=0):
 
 
 def _generate(model, prompts, params, graphs: bool, **opts):
-    eng = Engine(model, attention_backend="triton", block_size=8, max_num_seqs=5, **opts)
+    eng = Engine(model, attention_backend="torch", block_size=8, max_num_seqs=5, **opts)
     if graphs:
         eng.runner.graphs = CudaGraphRunner(eng.runner, eager=True)
         eng.runner.graphs.capture()

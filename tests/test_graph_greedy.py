@@ -177,7 +177,7 @@ def test_device_advanced_inputs_are_the_steps_inputs(tiny_model):
     # graphs.
     model = tiny_model("llama")
     prompts = _prompts([9, 20, 4], seed=3)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 30, 20)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (8, 20, 14)]
     opts = dict(max_num_seqs=5, async_scheduling=True)
     want, _ = _generate(model, prompts, params, graphs=False, **opts)
     eng = _engine(model, True, **opts)
@@ -206,7 +206,7 @@ def test_device_advanced_inputs_are_the_steps_inputs(tiny_model):
     eng.check_invariants()
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     decode_steps = len(checked)
-    assert decode_steps >= 25
+    assert decode_steps >= 17
     skipped = graphs.inputs.sends_skipped
     assert skipped >= decode_steps // 2, (skipped, decode_steps)
 

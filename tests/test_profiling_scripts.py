@@ -3,6 +3,7 @@ their shared set-up, parse one CLI style, and host_overhead.py measures on the C
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,9 +77,13 @@ def test_serve_overhead_runs_offline_and_the_server_on_a_stubbed_forward():
     assert len(waits) == 3 and all("for the GIL" in w for w in waits)
 
 
-def test_lora_bench_alternates_the_base_and_the_adapters_engines_on_the_cpu():
+def test_lora_bench_alternates_the_base_and_the_adapters_engines_on_the_cpu(tmp_path):
+    # two 8-token prompts (a workload file): W1's 64-512-token prompts took 110 s of CI here
+    workload = tmp_path / "tiny.json"
+    requests = [{"prompt_token_ids": [5 + i] * 8, "max_new_tokens": 2} for i in range(2)]
+    workload.write_text(json.dumps({"requests": requests}))
     args = ["--device", "cpu", "--dtype", "float32", "--shape", "smollm2-135m", "--compile", "0"]
-    args += ["--requests", "2", "--new-tokens", "2", "--rounds", "2", "--hf-batch", "0"]
+    args += ["--workload", str(workload), "--rounds", "2", "--hf-batch", "0"]
     args += ["--adapters", "2", "--rank", "4"]
     text = _run(str(PROFILING / "lora_bench.py"), *args)
     rounds = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
