@@ -119,7 +119,7 @@ def test_max_graph_tokens_is_validated():
 
 
 # seed 0: preemption, async, decode batches past the largest decode graph
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_random_schedules_padded_graph_inputs_equal_plain(seed, tiny_model):
     """Random adds / steps / aborts under chunked prefill, prefix hits and preemption (small
     cache), synchronous or not: the padded graph buffers give every request the plain engine's

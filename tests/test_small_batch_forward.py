@@ -43,7 +43,7 @@ def test_small_batch_forward_matches_transformers_forward(tiny_model, arch, monk
     model = tiny_model(arch)
     # a 3-token prompt is a small prefill step (causal among its tokens); the rest decode
     prompts = _prompts([3, 30, 9])
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
     plain = Engine(model, small_batch_rows=0, **ENGINE)
     assert plain.runner.forward.small_batch is None
     want = plain.generate(prompts, params)
@@ -101,7 +101,7 @@ def test_small_batch_forward_families_match_transformers_generate(
     model = tiny_model(arch, **overrides)
     lengths = [5, 30, 9]
     prompts = _prompts(lengths, seed=3)
-    max_new = 7
+    max_new = 5
     want = [_transformers_greedy(model, p, max_new) for p in prompts]
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, logprobs=3)
     eng = Engine(model, small_batch_rows=2, **ENGINE)
