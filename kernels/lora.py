@@ -306,7 +306,7 @@ def lora_expand(
     """y[t] += s[t] @ B[slot_t]^T * scale[slot_t] for each token with a slot. With slices (the
     widths of y's column slices, in order, at most 3): slice i's columns take s's columns
     [i * R, (i + 1) * R) and scale[i]: one launch for a fused projection's whole product."""
-    t, n, widths = _check_expand(y, b_stack, slices)
+    t, widths = _check_expand(y, b_stack, slices)
     rs = len(widths) * b_stack.shape[2]
     if s.dim() != 3 or s.shape[1:] != (t, rs) or s.dtype != torch.float32 or s.stride(-1) != 1:
         raise ValueError(f"s must be float32 [split, {t}, {rs}], got {s.dtype} {tuple(s.shape)}")
@@ -325,7 +325,7 @@ def lora_expand_folded(
     """lora_expand where the shrink came out of the base product: s_all holds every slot's
     x @ A^T (slot-major, then slice, then rank), in the product's dtype, and each token reads its
     own slot's columns. hf_paged/lora/fold.py says when a projection computes it so."""
-    t, n, widths = _check_expand(y, b_stack, slices)
+    t, widths = _check_expand(y, b_stack, slices)
     num_slots, _, r = b_stack.shape
     rs = len(widths) * r
     if s_all.shape != (t, num_slots * rs) or s_all.stride(-1) != 1 or s_all.dtype != y.dtype:
@@ -336,14 +336,15 @@ def lora_expand_folded(
     _launch_expand(y, s_all[None], rs, b_stack, scale, sorted_tokens, slot_start, widths)
 
 
-def _check_expand(y, b_stack, slices) -> tuple[int, int, tuple[int, ...]]:
+def _check_expand(y, b_stack, slices) -> tuple[int, tuple[int, ...]]:
+    """(token count, slice widths) of a valid expand into y."""
     _check_stack("y", y, 2)
     _check_stack("b_stack", b_stack)
     check_launchable(y, "y")
     t, n = y.shape
     if b_stack.shape[1] != n or b_stack.device != y.device:
         raise ValueError(f"b_stack {tuple(b_stack.shape)} does not fit y {tuple(y.shape)}")
-    return t, n, _slices(slices, n)
+    return t, _slices(slices, n)
 
 
 def _launch_expand(y, s, slot_stride, b_stack, scale, sorted_tokens, slot_start, widths) -> None:

@@ -40,7 +40,8 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def foldable(weight: torch.Tensor, extra_rows: int) -> bool:
-    """A weight of extra_rows more rows would pay (16- or 32-bit floats only)."""
+    """A weight of extra_rows more rows would pay (16- or 32-bit floats only: not FP8's
+    float8 weights, whose GEMM takes per-block scales, nor bitsandbytes' packed ones)."""
     floats = (torch.float32, torch.float16, torch.bfloat16)
     return weight.dtype in floats and extra_rows <= MAX_EXTRA_ROWS * weight.shape[0]
 
