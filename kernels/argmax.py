@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait, pdl_available
+from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable
 
 _MAX_BLOCK = 32768  # entries a program loads at once: 64 fp32 registers a thread at 16 warps
@@ -232,7 +233,7 @@ def argmax_rows(
     if m == 0:
         return out
     pdl = pdl and pdl_available(x.device)
-    block = min(triton.next_power_of_2(v), _MAX_BLOCK)
+    block = min(next_power_of_2(v), _MAX_BLOCK)
     _argmax_rows_kernel[(m,)](
         x,
         out,
@@ -252,7 +253,7 @@ def argmax_rows(
         buf.stride(0) if host is not None else 0,
         advance.block_table.stride(0) if advance is not None else 0,
         BLOCK=block,
-        CHUNKS=triton.cdiv(v, block),
+        CHUNKS=cdiv(v, block),
         SCATTER=scatter is not None,
         HOST=host is not None,
         ADVANCE=advance is not None,

@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
+
+from .host_math import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ def num_sms(device: torch.device) -> int:
 
 def decode_config(queries_per_kv: int, head_dim: int) -> AttentionConfig:
     """One token x the whole GQA group per program; tl.dot needs >= 16 rows."""
-    block_m = max(16, triton.next_power_of_2(queries_per_kv))
+    block_m = max(16, next_power_of_2(queries_per_kv))
     # BLOCK_N 128: 98% of copy bandwidth at 64 x 8k on the H200, against 72-78% with 64 (sweep).
     block_n = 128 if head_dim <= 128 else 32
     return AttentionConfig(
@@ -70,7 +71,7 @@ def prefill_config(queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> At
         block_m, block_n, warps, stages = 128, 128, 8, 2
     else:  # head_dim 256: keep the accumulator and K/V stages within registers / shared memory
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    block_m = max(block_m, next_power_of_2(queries_per_kv))
     return AttentionConfig(
         block_m, block_m // queries_per_kv, block_n, warps, stages, one_tile_per_seq=False
     )
@@ -100,7 +101,7 @@ def choose_num_kv_splits(
     if programs >= target:
         return 1
     by_len = max(1, max_seq_len // min_keys_per_split)
-    return max(1, min(triton.cdiv(target, programs), by_len, _MAX_SPLITS))
+    return max(1, min(cdiv(target, programs), by_len, _MAX_SPLITS))
 
 
 def choose_decode_num_kv_splits(

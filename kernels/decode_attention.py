@@ -32,6 +32,7 @@ from hf_paged.worker.forward_context import AttentionMetadata
 from .attention_common import _accumulate_pv, _init_softmax_state, _softmax_step
 from .attention_config import AttentionConfig, choose_decode_num_kv_splits, decode_config
 from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .host_math import next_power_of_2
 from .kv_write import check_kv_scales
 from .paged_attention import _check_attention_args, _shared_launch_args, sinks_for_kernel
 from .split_kv_reduce import _reduce_splits, _split_workspace
@@ -238,7 +239,7 @@ def decode_attention_config(queries_per_kv: int, head_dim: int) -> AttentionConf
     dec = decode_config(queries_per_kv, head_dim)
     # at most 8192 entries a K (and V) tile, whose columns are head_dim padded to a power of 2:
     # 128 keys at head_dim 64, 64 at 80-128
-    block_n = min(dec.block_n, 8192 // triton.next_power_of_2(head_dim))
+    block_n = min(dec.block_n, 8192 // next_power_of_2(head_dim))
     return AttentionConfig(dec.block_m, dec.block_q, block_n, 8, dec.num_stages, True)
 
 
@@ -280,7 +281,7 @@ def decode_attention(
     splits = num_kv_splits or choose_decode_num_kv_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, cfg.block_n, query.device
     )
-    head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
+    head_dim_v_pad = max(16, next_power_of_2(head_dim_v))
     ws_o, ws_lse = _split_workspace(query, out, splits, head_dim_v_pad)
     args, kwargs = _shared_launch_args(
         query, key_cache, value_cache, meta, out, ws_o, ws_lse, splits,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents
+from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable, interpreting
 
 _MAX_BLOCK_H = 4096
@@ -90,9 +91,9 @@ def embed_tokens(
     out = torch.empty((t, hidden), dtype=weight.dtype, device=weight.device)
     if t == 0 or hidden == 0:
         return out
-    block_h = min(triton.next_power_of_2(hidden), _MAX_BLOCK_H)
+    block_h = min(next_power_of_2(hidden), _MAX_BLOCK_H)
     p = pending is not None
-    _embed_tokens_kernel[(t, triton.cdiv(hidden, block_h))](
+    _embed_tokens_kernel[(t, cdiv(hidden, block_h))](
         weight,
         input_ids,
         pending if p else input_ids,

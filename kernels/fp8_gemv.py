@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .attention_config import num_sms
+from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable, interpreting
 
 MAX_ROWS = 16
@@ -54,9 +55,9 @@ def gemv_config(n: int, k: int, sms: int) -> dict:
     (evals/h200/fp8-gemv-sweep-2026-12-04.log): q/k/v 14.6 us (8 splits: the rule's), o 12.5
     (8), gate/up 39.8 (2), down 24.7 (16); the previous tile (64 channels, no split) took
     35.7, 34.6, 59.0 and 106.0 us. Multiplying in bf16 instead of fp16 cost 15-38%."""
-    block_n = max(16, min(128, triton.next_power_of_2(n)))
-    tiles = triton.cdiv(n, block_n)
-    blocks = triton.cdiv(k, SCALE_BLOCK)
+    block_n = max(16, min(128, next_power_of_2(n)))
+    tiles = cdiv(n, block_n)
+    blocks = cdiv(k, SCALE_BLOCK)
     splits = 1
     while splits * 2 * tiles <= 4 * sms and blocks >= splits * 2 * 4:
         splits *= 2
@@ -170,7 +171,7 @@ def fp8_gemv(
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
         raise ValueError(f"weight must be float8_e4m3fn and scale float32, got {weight.dtype}")
     n, k = weight.shape
-    blocks = triton.cdiv(k, SCALE_BLOCK)
+    blocks = cdiv(k, SCALE_BLOCK)
     if scale.shape != (n, blocks):
         raise ValueError(
             f"scale must be [N={n}, ceil(K / {SCALE_BLOCK})={blocks}], got {scale.shape}"
@@ -184,14 +185,14 @@ def fp8_gemv(
     out = x.new_empty(m, n)
     cfg = dict(config or gemv_config(n, k, num_sms(x.device)))  # a copy: popped below
     splits = max(1, min(cfg.pop("splits"), blocks))
-    per_split = triton.cdiv(blocks, splits)
-    splits = triton.cdiv(blocks, per_split)  # no empty split
+    per_split = cdiv(blocks, splits)
+    splits = cdiv(blocks, per_split)  # no empty split
     dot_fp16 = cfg.pop("dot_fp16", True) and x.dtype == torch.bfloat16
     # the interpreter's bf16 dot multiplies raw bits: bf16 rows in float32 there
     xk = x.float() if interpreting() and x.dtype == torch.bfloat16 and not dot_fp16 else x
     parts = out if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     block_n = cfg.pop("BLOCK_N")
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+    _fp8_gemv_kernel[(cdiv(n, block_n), splits)](
         xk, weight, scale, bias if bias is not None else scale, parts,
         m, n, k, per_split,
         xk.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), parts.stride(-2),
@@ -206,7 +207,7 @@ def fp8_gemv(
         **cfg,
     )  # fmt: skip
     if splits > 1:
-        _fp8_gemv_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        _fp8_gemv_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
             parts, bias if bias is not None else scale, out, m, n, splits, out.stride(0),
             BLOCK=REDUCE_BLOCK,
             HAS_BIAS=bias is not None,

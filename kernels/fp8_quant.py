@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemv import SCALE_BLOCK as BLOCK  # the weights' blocks: one scale per 128 columns
+from .host_math import next_power_of_2
 from .kv_write import FP8_MAX as _FP8_LIMITS
 from .kv_write import check_launchable
 
@@ -71,7 +72,7 @@ def quantize_rows(x: torch.Tensor, padded_rows: int | None = None):
     if p:
         _quantize_rows_kernel[(p,)](
             x, q, scales, m, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-            NUM_BLOCKS=triton.next_power_of_2(k // BLOCK),
+            NUM_BLOCKS=next_power_of_2(k // BLOCK),
             BLOCK_K=BLOCK,
             FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE,

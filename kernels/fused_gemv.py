@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F401 (re-exported)
 from .gemv_tiles import tile_config
+from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable, interpreting
 from .lora_epilogue import (
     MAX_ROWS,
@@ -433,11 +434,11 @@ def fused_gemv(
     if interpreting() and config is None:
         # the CPU interpreter runs programs one after another, each as numpy arrays: few wide
         # programs instead of many narrow ones (same results; tile shapes only matter on a GPU)
-        cfg["BLOCK_N"] = min(64, triton.next_power_of_2(n))
+        cfg["BLOCK_N"] = min(64, next_power_of_2(n))
     block_n = cfg.pop("BLOCK_N")
     if pdl:
         cfg["launch_pdl"] = True
-    _fused_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _fused_gemv_kernel[(cdiv(n, block_n),)](
         x,
         rows if rows is not None else x,
         norm_weight if norm_weight is not None else weight,
@@ -463,8 +464,8 @@ def fused_gemv(
         (norm_out if norm_out is not None else y).stride(0),
         *lora_args["scalars"],
         K=k,
-        K_PAD=triton.next_power_of_2(k),
-        BLOCK_M=triton.next_power_of_2(m),
+        K_PAD=next_power_of_2(k),
+        BLOCK_M=next_power_of_2(m),
         BLOCK_N=block_n,
         NORM=norm_weight is not None,
         NORM_PLUS_ONE=norm_plus_one,

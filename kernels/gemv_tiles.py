@@ -5,7 +5,7 @@ flight. Pure Python: the rules and the H200 measurements behind them.
 
 from __future__ import annotations
 
-import triton
+from .host_math import next_power_of_2
 
 # Per-thread registers for the weight tile(s): at most this many elements.
 ELEMS_PER_THREAD = 64
@@ -41,7 +41,7 @@ def tile_config(k: int, gated: bool, weight_bytes: int = 0, itemsize: int = 2) -
         return fp8_tile_config(k, gated)
     if not gated and itemsize == 2 and 4096 < k <= 8192 and weight_bytes < LONG_GEMV_BYTES:
         return dict(BLOCK_N=8, num_warps=8)
-    k_pad = triton.next_power_of_2(k)
+    k_pad = next_power_of_2(k)
     caps = (MAX_WARPS,) if weight_bytes < LONG_GEMV_BYTES else (8, MAX_WARPS)
     for cap in caps:
         for block_n in (4, 2, 1):
@@ -61,7 +61,7 @@ def fp8_tile_config(k: int, gated: bool, rows_per_unit: int = 1) -> dict | None:
     best of 11 tiles swept: q/k/v
     8.7 / 8.6 (8 rows x 4 warps), o 6.1 / 6.0, gate/up 29.5 / 29.5 (4 x 4), down 18.4 / 18.4
     (2 x 4); 8 warps where 4 hold the same rows were as fast or slower, 16 always slower."""
-    k_pad = triton.next_power_of_2(k)
+    k_pad = next_power_of_2(k)
     per_row = k_pad * (2 if gated else 1)
     units = max(1, min(8, 4 * 32 * FP8_ELEMS_PER_THREAD // (per_row * rows_per_unit)))
     warps = max(4, units * rows_per_unit * per_row // (32 * FP8_ELEMS_PER_THREAD))

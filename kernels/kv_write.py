@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # FP8 caches (hf_paged/quantization/kv_cache.py): each layer's K and V are stored divided by a
 # per-tensor scale, saturated to the format's largest finite value (a float -> float8 cast
@@ -236,12 +238,12 @@ def write_kv(
         value = quantize_ref(value, value_cache.dtype, v_scale)
         k_scale = v_scale = 1.0
         fp8_max = 0.0
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    head_dim_pad = next_power_of_2(head_dim)
     head_dim_v = value.shape[2]
     # ~4K elements per program: one or a few 16-byte vectors per thread, enough bytes in flight.
-    widest = max(head_dim_pad, triton.next_power_of_2(head_dim_v))
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // widest))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    widest = max(head_dim_pad, next_power_of_2(head_dim_v))
+    block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // widest))
+    grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         key,
         value,
@@ -264,7 +266,7 @@ def write_kv(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_H=block_h,
         HEAD_DIM_V=head_dim_v,
-        HEAD_DIM_V_PAD=triton.next_power_of_2(head_dim_v),
+        HEAD_DIM_V_PAD=next_power_of_2(head_dim_v),
         k_inv_scale=1.0 / k_scale,
         v_inv_scale=1.0 / v_scale,
         FP8_MAX=fp8_max,

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable
 from .lora_epilogue import MAX_SLICES, LoraEpilogue, lora_epilogue_ref  # noqa: F401 (re-exported)
 
@@ -251,19 +252,19 @@ def lora_shrink(
     _check_segments(sorted_tokens, slot_start, t, num_slots)
     # 128-wide input steps, 8 warps: from a sweep of the H200 (2x at prefill chunks' sizes)
     block_m = 16 if t <= 256 else 64
-    block_k = 128 if k >= 1024 else 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    block_k = 128 if k >= 1024 else 64 if k >= 64 else max(16, next_power_of_2(k))
     split = split_k or _split_k(t, k, block_m, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)  # no program with an empty range
+    k_per_split = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_per_split)  # no program with an empty range
     out = torch.empty((split, t, r), dtype=torch.float32, device=x.device)
     if t == 0:
         return out
-    grid = (triton.cdiv(t, block_m), split, num_slots)
+    grid = (cdiv(t, block_m), split, num_slots)
     _lora_shrink_kernel[grid](
         x, a_stack, out, sorted_tokens, slot_start, k, r, x.stride(0), a_stack.stride(0),
         a_stack.stride(1), out.stride(0), out.stride(1), k_per_split,
         BLOCK_M=block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(r)),
+        BLOCK_R=max(16, next_power_of_2(r)),
         BLOCK_K=block_k,
         DOT_PRECISION=_precision(a_stack),
         DOT_UPCAST=_upcast(a_stack),
@@ -307,10 +308,14 @@ def lora_expand(
     widths of y's column slices, in order, at most 3): slice i's columns take s's columns
     [i * R, (i + 1) * R) and scale[i]: one launch for a fused projection's whole product."""
     t, widths = _check_expand(y, b_stack, slices)
-    rs = len(widths) * b_stack.shape[2]
+    num_slots, _, r = b_stack.shape
+    rs = len(widths) * r
     if s.dim() != 3 or s.shape[1:] != (t, rs) or s.dtype != torch.float32 or s.stride(-1) != 1:
         raise ValueError(f"s must be float32 [split, {t}, {rs}], got {s.dtype} {tuple(s.shape)}")
-    _launch_expand(y, s, 0, b_stack, scale, sorted_tokens, slot_start, widths)
+    scale = _check_scale(scale, len(widths), num_slots)
+    _check_segments(sorted_tokens, slot_start, t, num_slots)
+    split = (s.shape[0], s.stride(0))
+    _launch_expand(y, s, split, 0, b_stack, scale, sorted_tokens, slot_start, widths)
 
 
 def lora_expand_folded(
@@ -321,19 +326,31 @@ def lora_expand_folded(
     sorted_tokens: torch.Tensor,  # int32 [T]
     slot_start: torch.Tensor,  # int32 [S + 1]
     slices: Sequence[int] | None = None,
+    *,
+    check: bool = True,
 ) -> None:
     """lora_expand where the shrink came out of the base product: s_all holds every slot's
     x @ A^T (slot-major, then slice, then rank), in the product's dtype, and each token reads its
-    own slot's columns. hf_paged/lora/fold.py says when a projection computes it so."""
-    t, widths = _check_expand(y, b_stack, slices)
+    own slot's columns. hf_paged/lora/fold.py says when a projection computes it so.
+
+    check=False skips the arguments' checks (~20 us of host time a call): for a caller that
+    built every argument to fit, scale as [slices, S] (the engine's LoRA op, once per projection
+    of every eager prefill step, hf_paged/lora/fold.py)."""
     num_slots, _, r = b_stack.shape
-    rs = len(widths) * r
-    if s_all.shape != (t, num_slots * rs) or s_all.stride(-1) != 1 or s_all.dtype != y.dtype:
-        raise ValueError(
-            f"s_all must be {y.dtype} [{t}, {num_slots * rs}] with a contiguous last dimension, "
-            f"got {s_all.dtype} {tuple(s_all.shape)} strides {s_all.stride()}"
-        )
-    _launch_expand(y, s_all[None], rs, b_stack, scale, sorted_tokens, slot_start, widths)
+    if check:
+        t, widths = _check_expand(y, b_stack, slices)
+        rs = len(widths) * r
+        if s_all.shape != (t, num_slots * rs) or s_all.stride(-1) != 1 or s_all.dtype != y.dtype:
+            raise ValueError(
+                f"s_all must be {y.dtype} [{t}, {num_slots * rs}] with a contiguous last "
+                f"dimension, got {s_all.dtype} {tuple(s_all.shape)} strides {s_all.stride()}"
+            )
+        scale = _check_scale(scale, len(widths), num_slots)
+        _check_segments(sorted_tokens, slot_start, t, num_slots)
+    else:
+        widths = tuple(slices) if slices else (y.shape[1],)
+    slot_stride = len(widths) * r
+    _launch_expand(y, s_all, (1, 0), slot_stride, b_stack, scale, sorted_tokens, slot_start, widths)
 
 
 def _check_expand(y, b_stack, slices) -> tuple[int, tuple[int, ...]]:
@@ -347,29 +364,31 @@ def _check_expand(y, b_stack, slices) -> tuple[int, tuple[int, ...]]:
     return t, _slices(slices, n)
 
 
-def _launch_expand(y, s, slot_stride, b_stack, scale, sorted_tokens, slot_start, widths) -> None:
+def _launch_expand(
+    y, s, split, slot_stride, b_stack, scale, sorted_tokens, slot_start, widths
+) -> None:
+    """The expand's launch, its arguments checked (split: s's partial sums and their stride;
+    s's last two dimensions are [T, columns])."""
     t = y.shape[0]
-    num_slots, _, r = b_stack.shape
-    scale = _check_scale(scale, len(widths), num_slots)
-    _check_segments(sorted_tokens, slot_start, t, num_slots)
     if t == 0:
         return
+    num_slots, _, r = b_stack.shape
     # tiles from a sweep of the H200 (evals/RESULTS.md): 16 x 128, or 16 x 256 on wide slices,
     # for decode's few tokens a slot; 64 x 256 for prefill chunks
     block_m = 16 if t <= 256 else 64
     wide = t > 256 or max(widths) >= 4096
-    block_n = min(256 if wide else 128, max(16, triton.next_power_of_2(max(widths))))
+    block_n = min(256 if wide else 128, max(16, next_power_of_2(max(widths))))
     n0, n1, n2 = (*widths, 0, 0)[:3]
-    tiles = sum(triton.cdiv(w, block_n) for w in widths)
-    grid = (triton.cdiv(t, block_m), tiles, num_slots)
+    tiles = sum(cdiv(w, block_n) for w in widths)
+    grid = (cdiv(t, block_m), tiles, num_slots)
     _lora_expand_kernel[grid](
         y, s, b_stack, scale, sorted_tokens, slot_start,
-        n0, n1, n2, r, y.stride(0), s.stride(0), s.stride(1), slot_stride, b_stack.stride(0),
+        n0, n1, n2, r, y.stride(0), split[1], s.stride(-2), slot_stride, b_stack.stride(0),
         b_stack.stride(1), scale.stride(0),
-        SPLIT_K=s.shape[0],
+        SPLIT_K=split[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(r)),
+        BLOCK_R=max(16, next_power_of_2(r)),
         DOT_PRECISION=_precision(b_stack),
         DOT_UPCAST=_upcast(b_stack),
         num_warps=4,

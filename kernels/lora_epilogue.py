@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 try:  # Triton >= 3.3: programmatic dependent launch (see kernels/fused_gemv.py)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton: pdl stays off
@@ -160,8 +162,8 @@ def lora_launch_args(lora: LoraEpilogue | None, m: int, n: int, gated: bool, gat
         scalars=(s.shape[0], s.stride(0), s.stride(1), lora.b.stride(0), lora.b.stride(1),
                  scale.stride(0), ends[0], ends[1] if len(ends) > 2 else rows, r),
         slices=len(slices),
-        split_pad=triton.next_power_of_2(s.shape[0]),
-        sr_pad=max(2, triton.next_power_of_2(len(slices) * r)),
+        split_pad=next_power_of_2(s.shape[0]),
+        sr_pad=max(2, next_power_of_2(len(slices) * r)),
     )  # fmt: skip
 
 
@@ -233,9 +235,9 @@ def _rows_shrink_kernel(
 def rows_shrink_tiles(k: int, sr: int) -> tuple[int, int]:
     """(C_TILE, K_PER) of lora_rows_shrink: at most ROWS_SHRINK_TILE elements of A a program,
     inputs split so that an epilogue row reads at most MAX_PARTIALS partial sums."""
-    sr_pad = max(2, triton.next_power_of_2(sr))
-    k_per = min(triton.next_power_of_2(k), max(64, ROWS_SHRINK_TILE // min(sr_pad, 16)))
-    while triton.next_power_of_2(triton.cdiv(k, k_per)) * sr_pad > MAX_PARTIALS:
+    sr_pad = max(2, next_power_of_2(sr))
+    k_per = min(next_power_of_2(k), max(64, ROWS_SHRINK_TILE // min(sr_pad, 16)))
+    while next_power_of_2(cdiv(k, k_per)) * sr_pad > MAX_PARTIALS:
         k_per *= 2
     return max(1, min(sr_pad, ROWS_SHRINK_TILE // k_per)), k_per
 
@@ -268,14 +270,14 @@ def lora_rows_shrink(
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype):
         raise ValueError(f"norm_weight must be [{k}] of {x.dtype}")
     c_tile, k_per = rows_shrink_tiles(k, sr)
-    split = triton.cdiv(k, k_per)
+    split = cdiv(k, k_per)
     s = torch.empty((split, m, sr), dtype=torch.float32, device=x.device)
     if m == 0:
         return s
-    _rows_shrink_kernel[(triton.cdiv(sr, c_tile), split)](
+    _rows_shrink_kernel[(cdiv(sr, c_tile), split)](
         x, a_stack, s, slots, norm_weight if norm_weight is not None else x,
         m, k, sr, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0), s.stride(1),
-        K_PER=k_per, C_TILE=c_tile, BLOCK_M=triton.next_power_of_2(m),
+        K_PER=k_per, C_TILE=c_tile, BLOCK_M=next_power_of_2(m),
         NORM=norm_weight is not None, NORM_PLUS_ONE=norm_plus_one, PDL=pdl, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

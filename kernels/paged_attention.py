@@ -33,11 +33,11 @@ the tile shapes and split counts.
 from __future__ import annotations
 
 import torch
-import triton
 
 from hf_paged.worker.forward_context import AttentionMetadata
 
 from .attention_config import AttentionConfig, choose_num_kv_splits, decode_config, prefill_config
+from .host_math import cdiv, next_power_of_2
 from .kv_write import FP8_MAX, check_kv_cache_pair, check_kv_scales, check_launchable
 from .paged_attention_kernel import _paged_attention_kernel
 from .split_kv_reduce import _reduce_splits, _split_workspace
@@ -386,12 +386,12 @@ def _launch(
     num_seqs = meta.seq_lens.shape[0]
     if not cfg.one_tile_per_seq:
         num_splits = 1  # the reduce assumes one tile per sequence
-    head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
+    head_dim_v_pad = max(16, next_power_of_2(head_dim_v))
     if cfg.one_tile_per_seq:
         num_tile_programs = num_seqs
     else:
         num_tile_programs = num_tokens // cfg.block_q + num_seqs
-    num_zero_programs = triton.cdiv(num_tokens, _ZERO_TOKENS) if zero_fill else 0
+    num_zero_programs = cdiv(num_tokens, _ZERO_TOKENS) if zero_fill else 0
     grid = (num_tile_programs + num_zero_programs, num_kv_heads, num_splits)
     if grid[0] == 0:
         return
@@ -471,11 +471,11 @@ def _shared_launch_args(
     kwargs = dict(
         QUERIES_PER_KV=query.shape[1] // key_cache.shape[2],
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         # a value head's width: the same constexprs when K and V agree (the usual variants
         # compile as before); MLA's narrower values get their own tile width
         HEAD_DIM_V=head_dim_v,
-        HEAD_DIM_V_PAD=max(16, triton.next_power_of_2(head_dim_v)),
+        HEAD_DIM_V_PAD=max(16, next_power_of_2(head_dim_v)),
         PAGE_SIZE=key_cache.shape[1],
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,

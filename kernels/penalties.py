@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 _BLOCK = 4096
 
 
@@ -86,8 +88,8 @@ def apply_penalties(
         scores = scores.contiguous()
     counts = output_counts.contiguous()
     prompt = prompt_mask.contiguous().view(torch.uint8)
-    block = min(_BLOCK, triton.next_power_of_2(vocab))
-    _penalties_kernel[(n, triton.cdiv(vocab, block))](
+    block = min(_BLOCK, next_power_of_2(vocab))
+    _penalties_kernel[(n, cdiv(vocab, block))](
         scores,
         scores.stride(0),
         out,

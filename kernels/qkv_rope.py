@@ -32,6 +32,7 @@ from .fused_gemv import (
     weight_dot,
 )
 from .gemv_tiles import ELEMS_PER_THREAD, MAX_WARPS, fp8_tile_config
+from .host_math import next_power_of_2
 from .kv_write import check_kv_cache_pair, check_launchable
 from .lora_epilogue import (
     LoraEpilogue,
@@ -233,7 +234,7 @@ def qkv_rope_config(k: int, half: int, itemsize: int = 2) -> dict | None:
         while half % pairs:
             pairs //= 2
         return dict(PAIRS=pairs, **cfg)
-    k_pad = triton.next_power_of_2(k)
+    k_pad = next_power_of_2(k)
     for pairs in (2, 1):
         if half % pairs:
             continue
@@ -337,8 +338,8 @@ def norm_qkv_rope(
         value_cache.stride(2),
         *lora_args["scalars"],
         K=k,
-        K_PAD=triton.next_power_of_2(k),
-        BLOCK_M=triton.next_power_of_2(t),
+        K_PAD=next_power_of_2(k),
+        BLOCK_M=next_power_of_2(t),
         PAIRS=pairs,
         HALF=half,
         NUM_Q_HEADS=num_q_heads,

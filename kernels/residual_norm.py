@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait, rms_norm_ref
+from .host_math import next_power_of_2
 from .kv_write import check_launchable
 
 
@@ -89,7 +90,7 @@ def residual_rms_norm(
     r, n = x.shape
     if r == 0:
         return y
-    n_pad = triton.next_power_of_2(n)
+    n_pad = next_power_of_2(n)
     _residual_rms_norm_kernel[(r,)](
         x,
         residual,

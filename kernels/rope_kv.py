@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .host_math import next_power_of_2
 from .kv_write import check_kv_cache_pair, check_launchable
 
 
@@ -224,7 +225,7 @@ def rope_write_kv(
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        HALF_PAD=next_power_of_2(head_dim // 2),
         PAGE_SIZE=key_cache.shape[1],
         HEAD_NORM=head_norm,
         PDL=pdl,

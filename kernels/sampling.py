@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import next_power_of_2
+
 _BLOCK = 4096  # entries a cheap pass loads at once
 _SUB = 256  # entries the pivot work takes at once (an [SUB, NP] tile)
 _NP = 8  # pivots a search pass
@@ -283,7 +285,7 @@ def sample_rows(
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    block = min(_BLOCK, triton.next_power_of_2(vocab))
+    block = min(_BLOCK, next_power_of_2(vocab))
     sub = min(_SUB, block)
     _sample_rows_kernel[(rows,)](
         x,

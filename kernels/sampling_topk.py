@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import next_power_of_2
 from .sampling import _draw, _row_z
 
 TOPK_CAP = 1024  # rows with a larger k take kernels/sampling.py
@@ -38,7 +39,7 @@ _BLOCK = 4096
 
 def list_length(k_max: int) -> int:
     """The candidate list length for a group whose largest top_k is k_max (<= TOPK_CAP)."""
-    return max(_MIN_KP, triton.next_power_of_2(k_max))
+    return max(_MIN_KP, next_power_of_2(k_max))
 
 
 @triton.jit
@@ -139,7 +140,7 @@ def sample_rows_topk(
         u.float().contiguous(),
         out,
         KP=kp,
-        BLOCK=min(_BLOCK, triton.next_power_of_2(vocab)),
+        BLOCK=min(_BLOCK, next_power_of_2(vocab)),
         num_warps=8,
     )
     return out

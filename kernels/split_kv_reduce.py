@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .host_math import next_power_of_2
 
 
 @triton.jit(
@@ -109,7 +110,7 @@ def _reduce_splits(out, ws_o, ws_lse, meta, num_splits, head_dim, head_dim_pad, 
         ws_lse.stride(1),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=next_power_of_2(num_splits),
         PDL=pdl,
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),

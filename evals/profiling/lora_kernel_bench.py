@@ -1,11 +1,12 @@
 """Multi-LoRA kernels of one decoder layer on a GPU, against the same layer without adapters.
 
     python evals/profiling/lora_kernel_bench.py [--shape tinyllama-1.1b|llama-3-8b] [--rank 16]
-        [--slots 8]
+        [--slots 8] [--used 8] [--host]
 
 Random bf16 weights and adapters (rank --rank on all seven projections, --slots slots, rows
-spread over the slots and the base model), timed as CUDA-graph replays with L2 flushed
-(bench_setup.bench_graph), medians in microseconds:
+spread over the first --used slots and the base model; --used 1: one adapter of many, as W1 with
+one adapter), timed as CUDA-graph replays with L2 flushed (bench_setup.bench_graph), medians in
+microseconds:
 
 - small batch (1-8 rows, hf_paged/worker/small_batch_forward.py's kernels, PDL where the GPU has
   it): the layer's four fused GEMVs (norm + q/k/v, o + residual, norm + gate/up + SiLU-mul,
@@ -17,6 +18,12 @@ spread over the slots and the base model), timed as CUDA-graph replays with L2 f
   token's slot's columns: hf_paged/lora/fold.py, the default where it fits), grouped (q/k/v and
   gate/up one shrink + one expand each: 4 shrinks, 4 expands) and per slice (7 shrink + expand
   pairs on the slices' views, as before grouping).
+
+--host: instead, the host's microseconds per call of the folded path's LoRA op (the engine's
+custom op reading the step's LoRA batch from the forward context), of its expand launcher with
+and without argument checks, and of an empty custom op of the same signature. An eager prefill
+step calls the op once per LoRA group of every layer (88 times on the 1.1B shape), and its host
+time is on the step's critical path where the host, not the GPU, bounds the step.
 """
 
 from __future__ import annotations
@@ -34,20 +41,21 @@ DIMS = {
 }
 
 
-def _slots(t: int, slots: int) -> torch.Tensor:
-    """Row i on slot i % (slots + 1), the last of each cycle on the base model (-1)."""
-    s = torch.arange(t, device="cuda") % (slots + 1)
-    return torch.where(s == slots, -1, s).to(torch.int32)
+def _slots(t: int, used: int) -> torch.Tensor:
+    """Row i on slot i % (used + 1), the last of each cycle on the base model (-1)."""
+    s = torch.arange(t, device="cuda") % (used + 1)
+    return torch.where(s == used, -1, s).to(torch.int32)
 
 
 class Layer:
-    def __init__(self, hidden, qkv, inter, rank, slots):
+    def __init__(self, hidden, qkv, inter, rank, slots, used=None):
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def rnd(*shape, scale=1.0):
             return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
 
         self.hidden, self.qkv, self.inter, self.slots, self.rank = hidden, qkv, inter, slots, rank
+        self.used = slots if used is None else used
         self.w_qkv = rnd(sum(qkv), hidden, scale=hidden**-0.5)
         self.w_o = rnd(hidden, hidden, scale=hidden**-0.5)
         self.w_gu = rnd(2 * inter, hidden, scale=hidden**-0.5)
@@ -81,7 +89,7 @@ class Layer:
 
         h = torch.randn(rows, self.hidden, device="cuda").bfloat16()
         attn = torch.randn(rows, self.hidden, device="cuda").bfloat16()
-        slots = _slots(rows, self.slots)
+        slots = _slots(rows, self.used)
         inter = self.inter
 
         def epilogue(x, name, normed):
@@ -110,7 +118,7 @@ class Layer:
 
         x = torch.randn(t, self.hidden, device="cuda").bfloat16()
         xi = torch.randn(t, self.inter, device="cuda").bfloat16()
-        slots = _slots(t, self.slots)
+        slots = _slots(t, self.used)
         seg = lora_segments(slots, self.slots)  # once a step in the engine, not per group
         r = self.rank
 
@@ -157,10 +165,14 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama-1.1b", choices=list(DIMS))
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--used", type=int, default=None, help="slots the rows use (all)")
     parser.add_argument(
         "--tokens", default="16,64,256,512",
         help="token counts of the many-token rows (comma list; prefill chunks reach 8192)",
     )  # fmt: skip
+    parser.add_argument(
+        "--host", action="store_true", help="host time per LoRA op call instead (see above)"
+    )
     parser.add_argument(
         "--profile", action="store_true",
         help="kernels by time: 1 row with LoRA, then each --tokens count grouped",
@@ -169,10 +181,16 @@ def main() -> None:
     from hf_paged.kernels.fused_gemv import pdl_available
 
     hidden, qkv, inter = DIMS[args.shape]
-    layer = Layer(hidden, qkv, inter, args.rank, args.slots)
+    if args.host:
+        host_calls(qkv, args.rank, args.slots)
+        return
+    used = min(args.used or args.slots, args.slots)
+    layer = Layer(hidden, qkv, inter, args.rank, args.slots, used)
     pdl = pdl_available(torch.device("cuda"))
     bound = layer.weight_bytes() / PEAK_BW * 1e6
-    print(f"## {args.shape}, rank {args.rank}, {args.slots} slots, one decoder layer\n")
+    print(
+        f"## {args.shape}, rank {args.rank}, {args.slots} slots ({used} used), one decoder layer\n"
+    )
     print(f"small batch (PDL {'on' if pdl else 'off'}); weight-read bound {bound:.1f} us\n")
     print("| rows | base us | LoRA us | base / LoRA |")
     print("| --- | --- | --- | --- |")
@@ -196,6 +214,52 @@ def main() -> None:
         for t in (int(v) for v in args.tokens.split(",")):
             for mode in ("folded", "grouped"):
                 _profile(f"many tokens, {t}, {mode}", layer.many_tokens(t, mode))
+
+
+def host_calls(widths, rank: int, slots: int, tokens: int = 64, calls: int = 2000) -> None:
+    """Host microseconds per call (a few tokens: the GPU keeps up, so no call waits for it)."""
+    import time
+
+    from hf_paged.kernels.lora import lora_expand_folded, lora_segments
+
+    from hf_paged.lora.batch import LoraBatch
+    from hf_paged.lora.fold import fold_add_
+    from hf_paged.worker.forward_context import ForwardContext, forward_context
+
+    @torch.library.custom_op("lora_kernel_bench::empty_", mutates_args=("full",))
+    def empty_(full: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> None:
+        return None
+
+    sizes = list(widths)
+    n = sum(sizes)
+    full = torch.zeros(tokens, n + slots * len(sizes) * rank, device="cuda").bfloat16()
+    b = torch.zeros(slots, n, rank, device="cuda").bfloat16()
+    scale = torch.ones(len(sizes), slots, device="cuda")
+    token_slots = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    seg = lora_segments(token_slots, slots)
+    y, s_all = full[:, :n], full[:, n:]
+    runs = {
+        "the engine's op (hf_paged::lora_fold_add_)": lambda: fold_add_(full, b, scale, sizes),
+        "lora_expand_folded": lambda: lora_expand_folded(y, s_all, b, scale, *seg, sizes),
+        "lora_expand_folded, check=False": lambda: lora_expand_folded(
+            y, s_all, b, scale, *seg, sizes, check=False
+        ),
+        "an empty custom op": lambda: empty_(full, b, scale, sizes),
+    }
+    print(f"## host us per call: q/k/v group {sizes}, rank {rank}, {slots} slots, {tokens} tokens")
+    print("| call | host us |\n| --- | ---: |")
+    ctx = ForwardContext(None, [], None, lora_groups=LoraBatch(token_slots, *seg))
+    with forward_context(ctx):
+        for label, fn in runs.items():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            spent = (time.perf_counter() - t) / calls * 1e6
+            torch.cuda.synchronize()
+            print(f"| {label} | {spent:.1f} |", flush=True)
 
 
 def _profile(title: str, fn, reps: int = 10) -> None:

@@ -100,7 +100,11 @@ def fold_add_(full: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, sizes: l
     if use_kernels(full):
         from hf_paged.kernels.lora import lora_expand_folded
 
-        lora_expand_folded(y, s_all, b, scale, batch.sorted_tokens, batch.slot_start, sizes)
+        # check=False: every argument is the engine's own (the extended product's columns, the
+        # slot buffers, scale [slices, S], the step's segments); this runs for each projection
+        # of every eager prefill step, whose host time the GPU waits for
+        segments = (batch.sorted_tokens, batch.slot_start)
+        lora_expand_folded(y, s_all, b, scale, *segments, sizes, check=False)
     else:
         from hf_paged.kernels.lora import lora_expand_ref, own_slot_columns
 
