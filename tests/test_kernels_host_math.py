@@ -1,7 +1,6 @@
 """The kernels' host-side integer helpers give triton's values (kernels/host_math.py)."""
 
 import triton
-
 from hf_paged.kernels.host_math import cdiv, next_power_of_2
 
 
