@@ -307,13 +307,10 @@ def lora_expand(
     """y[t] += s[t] @ B[slot_t]^T * scale[slot_t] for each token with a slot. With slices (the
     widths of y's column slices, in order, at most 3): slice i's columns take s's columns
     [i * R, (i + 1) * R) and scale[i]: one launch for a fused projection's whole product."""
-    t, widths = _check_expand(y, b_stack, slices)
-    num_slots, _, r = b_stack.shape
-    rs = len(widths) * r
+    t, widths, scale = _check_expand(y, b_stack, slices, scale, sorted_tokens, slot_start)
+    rs = len(widths) * b_stack.shape[2]
     if s.dim() != 3 or s.shape[1:] != (t, rs) or s.dtype != torch.float32 or s.stride(-1) != 1:
         raise ValueError(f"s must be float32 [split, {t}, {rs}], got {s.dtype} {tuple(s.shape)}")
-    scale = _check_scale(scale, len(widths), num_slots)
-    _check_segments(sorted_tokens, slot_start, t, num_slots)
     split = (s.shape[0], s.stride(0))
     _launch_expand(y, s, split, 0, b_stack, scale, sorted_tokens, slot_start, widths)
 
@@ -338,37 +335,39 @@ def lora_expand_folded(
     of every eager prefill step, hf_paged/lora/fold.py)."""
     num_slots, _, r = b_stack.shape
     if check:
-        t, widths = _check_expand(y, b_stack, slices)
+        t, widths, scale = _check_expand(y, b_stack, slices, scale, sorted_tokens, slot_start)
         rs = len(widths) * r
         if s_all.shape != (t, num_slots * rs) or s_all.stride(-1) != 1 or s_all.dtype != y.dtype:
             raise ValueError(
                 f"s_all must be {y.dtype} [{t}, {num_slots * rs}] with a contiguous last "
                 f"dimension, got {s_all.dtype} {tuple(s_all.shape)} strides {s_all.stride()}"
             )
-        scale = _check_scale(scale, len(widths), num_slots)
-        _check_segments(sorted_tokens, slot_start, t, num_slots)
     else:
         widths = tuple(slices) if slices else (y.shape[1],)
     slot_stride = len(widths) * r
     _launch_expand(y, s_all, (1, 0), slot_stride, b_stack, scale, sorted_tokens, slot_start, widths)
 
 
-def _check_expand(y, b_stack, slices) -> tuple[int, tuple[int, ...]]:
-    """(token count, slice widths) of a valid expand into y."""
+def _check_expand(y, b_stack, slices, scale, sorted_tokens, slot_start):
+    """(token count, slice widths, scale as [slices, S]) of a valid expand into y (s is checked
+    by each caller: its layout differs)."""
     _check_stack("y", y, 2)
     _check_stack("b_stack", b_stack)
     check_launchable(y, "y")
     t, n = y.shape
     if b_stack.shape[1] != n or b_stack.device != y.device:
         raise ValueError(f"b_stack {tuple(b_stack.shape)} does not fit y {tuple(y.shape)}")
-    return t, _slices(slices, n)
+    widths = _slices(slices, n)
+    num_slots = b_stack.shape[0]
+    _check_segments(sorted_tokens, slot_start, t, num_slots)
+    return t, widths, _check_scale(scale, len(widths), num_slots)
 
 
 def _launch_expand(
     y, s, split, slot_stride, b_stack, scale, sorted_tokens, slot_start, widths
 ) -> None:
-    """The expand's launch, its arguments checked (split: s's partial sums and their stride;
-    s's last two dimensions are [T, columns])."""
+    """The expand's launch, on arguments already checked or built to fit (split: the count of
+    s's partial sums and their stride; s's last two dimensions are [T, columns])."""
     t = y.shape[0]
     if t == 0:
         return
