@@ -59,12 +59,15 @@ def _argmax_rows_kernel(
     slot_map_ptr,
     table_ptr,  # int32 [M, W] block table rows
     sent_ptr,  # int64 [M]: the positions the host last sent
+    bits_ptr,  # ALLOWED: int32 [M, ceil(V / 32)] bitmask rows, a bit a token
+    on_ptr,  # ALLOWED_ROWS: int32 [M], nonzero where the row's bitmask applies
     V,
     D,
     W,
     stride_xm,
     stride_host,
     stride_table,
+    stride_bits,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
     SCATTER: tl.constexpr,
@@ -72,6 +75,8 @@ def _argmax_rows_kernel(
     ADVANCE: tl.constexpr,
     PAGE: tl.constexpr,
     PDL: tl.constexpr,
+    ALLOWED: tl.constexpr,
+    ALLOWED_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if PDL:
@@ -93,6 +98,8 @@ def _argmax_rows_kernel(
         # x (and, without ADVANCE, rows) come from earlier kernels
         gdc_wait()
     offs = tl.arange(0, BLOCK)
+    if ALLOWED_ROWS:  # a row whose bitmask does not apply takes every token
+        free = tl.load(on_ptr + row) == 0
     best_val = float("-inf")
     best_idx = 0
     first_nan = V  # V: no NaN seen
@@ -100,6 +107,12 @@ def _argmax_rows_kernel(
         idx = c * BLOCK + offs
         mask = idx < V
         x = tl.load(x_ptr + row * stride_xm + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        if ALLOWED:  # a token whose bit is 0 is -inf, as the grammar's masked logits have it
+            words = tl.load(bits_ptr + row * stride_bits + idx // 32, mask=mask, other=-1)
+            keep = ((words >> (idx % 32)) & 1) != 0
+            if ALLOWED_ROWS:
+                keep = keep | free
+            x = tl.where(keep, x, float("-inf"))
         nan = x != x  # a row with a NaN answers its first NaN, whatever the maxima say
         first_nan = tl.minimum(first_nan, tl.min(tl.where(nan, idx, V), axis=0))
         m = tl.max(x, axis=0)
@@ -161,6 +174,25 @@ def _check_advance(adv, m: int, device: torch.device) -> None:
         raise ValueError(f"advance.page_size must be a positive int, got {adv.page_size!r}")
 
 
+def _check_allowed(allowed, m: int, v: int, device: torch.device):
+    if not isinstance(allowed, (tuple, list)) or len(allowed) != 2:
+        raise ValueError("allowed must be a pair (bitmask, rows or None)")
+    bits, on = allowed
+    width = cdiv(v, 32)
+    if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or bits.dim() != 2:
+        raise ValueError("allowed bitmask must be an int32 [rows, ceil(vocab / 32)] tensor")
+    if bits.shape[0] != m or bits.shape[1] < width or bits.stride(1) != 1:
+        raise ValueError(
+            f"allowed bitmask must be [{m}, >= {width}] with contiguous rows, got "
+            f"{list(bits.shape)} at strides {bits.stride()}"
+        )
+    if bits.device != device:
+        raise ValueError(f"allowed bitmask is on {bits.device}, x on {device}")
+    if on is not None:
+        _check_index("allowed rows", on, m, device, torch.int32)
+    return bits, on
+
+
 def _check_index(
     name: str, t, length: int | None, device: torch.device, dtype: torch.dtype = torch.int64
 ) -> None:
@@ -184,6 +216,7 @@ def argmax_rows(
     host: tuple[torch.Tensor, torch.Tensor] | None = None,
     advance: DecodeAdvance | None = None,
     pdl: bool = False,
+    allowed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """x: float [M, V] (rows may sit at a stride; entries contiguous) -> int64 [M], the index of
     each row's maximum as torch.argmax(x, dim=-1) returns it.
@@ -195,7 +228,12 @@ def argmax_rows(
     >= 0 only). advance (needs scatter and host): DecodeAdvance; its tensors, rows and slot
     must not be written by the kernels in front of this one (they are read before the PDL
     wait: a decode graph's step inputs). pdl: launch with
-    programmatic dependent launch where pdl_available(x.device), else as usual."""
+    programmatic dependent launch where pdl_available(x.device), else as usual.
+    allowed=(bitmask, rows): bitmask int32 [M, >= ceil(V / 32)] on x's device, token j of row i
+    allowed where bit j % 32 of bitmask[i, j // 32] is set (xgrammar's layout); rows int32 [M]
+    (nonzero: the row's bitmask applies) or None (every row's does). A disallowed entry counts
+    as -inf: the argmax of the row with the grammar's mask applied, without writing the mask
+    into x."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, vocab], got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -227,6 +265,8 @@ def argmax_rows(
         if scatter is None or host is None:
             raise ValueError("advance needs scatter (the rows) and host (the landing rows)")
         _check_advance(advance, m, x.device)
+    if allowed is not None:
+        bits, on = _check_allowed(allowed, m, v, x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, dtype=torch.int64, device=x.device)
@@ -246,12 +286,15 @@ def argmax_rows(
         advance.slot_mapping if advance is not None else out,
         advance.block_table if advance is not None else out,
         advance.sent_positions if advance is not None else out,
+        bits if allowed is not None else out,
+        on if allowed is not None and on is not None else out,
         v,
         dst.shape[0] if scatter is not None else 0,
         advance.block_table.shape[1] if advance is not None else 1,
         x.stride(0),
         buf.stride(0) if host is not None else 0,
         advance.block_table.stride(0) if advance is not None else 0,
+        bits.stride(0) if allowed is not None else 0,
         BLOCK=block,
         CHUNKS=cdiv(v, block),
         SCATTER=scatter is not None,
@@ -259,6 +302,8 @@ def argmax_rows(
         ADVANCE=advance is not None,
         PAGE=advance.page_size if advance is not None else 1,
         PDL=pdl,
+        ALLOWED=allowed is not None,
+        ALLOWED_ROWS=allowed is not None and on is not None,
         num_warps=16 if block >= 8192 else 4,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -262,3 +262,44 @@ def test_argmax_rows_refuses_bad_advance(change, match):
         argmax_rows(_X, host=host, advance=_advance())
     with pytest.raises(ValueError, match="advance must be a DecodeAdvance"):
         argmax_rows(_X, scatter=scatter, host=host, advance=(1, 2))
+
+
+@pytest.mark.parametrize("vocab", [33, 70, 200])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_argmax_rows_allowed_matches_xgrammars_mask(vocab, chunked, request):
+    """allowed=(bitmask, rows): the argmax of the logits xgrammar's own mask leaves (its CPU
+    apply_token_bitmask_inplace, the layout's definition), for every row or flagged rows only,
+    with a row that allows nothing (0, as for a row of -inf) and bf16 logits."""
+    xgr = pytest.importorskip("xgrammar")
+    if chunked:
+        request.getfixturevalue("small_chunks")
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, (vocab + 31) // 32), generator=g)
+    bits = bits.to(torch.int32)
+    bits[2] = 0
+    bits[4] &= 0x00100010  # a few tokens
+    on = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.int32)
+    for indices, flags in ((None, None), ([0, 2, 3, 5], on)):
+        ref = x.clone()
+        xgr.apply_token_bitmask_inplace(ref, bits, vocab_size=vocab, indices=indices)
+        want = ref.argmax(dim=-1)
+        assert not torch.equal(want, x.argmax(dim=-1))  # the mask changes the answer
+        assert torch.equal(argmax_rows(x, allowed=(bits, flags)), want)
+        ref16 = x.bfloat16()
+        xgr.apply_token_bitmask_inplace(ref16, bits, vocab_size=vocab, indices=indices)
+        assert torch.equal(argmax_rows(x.bfloat16(), allowed=(bits, flags)), ref16.argmax(-1))
+    assert argmax_rows(x, allowed=(bits, None))[2].item() == 0
+
+
+def test_argmax_rows_allowed_refuses_bad_bitmasks():
+    x = torch.randn(3, 70)
+    good = torch.zeros(3, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="allowed bitmask must be an int32"):
+        argmax_rows(x, allowed=(good.long(), None))
+    with pytest.raises(ValueError, match=r"allowed bitmask must be \[3, >= 3\]"):
+        argmax_rows(x, allowed=(good[:, :2], None))
+    with pytest.raises(ValueError, match="allowed rows must be int32"):
+        argmax_rows(x, allowed=(good, torch.ones(2, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="allowed must be a pair"):
+        argmax_rows(x, allowed=good)

@@ -383,6 +383,31 @@ def test_argmax_rows_real_shapes(dtype, vocab):
     assert torch.equal(argmax_rows(x[::2]), x[::2].argmax(dim=-1))  # rows at a stride
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [32000, 49152, 128256])
+def test_argmax_rows_allowed_real_shapes(dtype, vocab):
+    """The grammar-masked argmax against xgrammar's own CUDA mask then torch.argmax: 256 rows,
+    some masked, some not, one with no token allowed."""
+    xgr = pytest.importorskip("xgrammar")
+    from hf_paged.kernels import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    rows, width = 256, (vocab + 31) // 32
+    x = torch.randn(rows, vocab, device="cuda", generator=g).to(dtype)
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows, width), device="cuda", generator=g)
+    bits = bits.to(torch.int32)
+    bits[::7] &= 0x01010101  # sparse rows: a few tokens allowed
+    bits[5] = 0  # nothing allowed: 0, as argmax of a row of -inf
+    sel = [i for i in range(rows) if i % 3]
+    on = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    on[sel] = 1
+    for indices, flags in ((None, None), (sel, on)):
+        ref = x.float().clone()
+        xgr.apply_token_bitmask_inplace(ref, bits, vocab_size=vocab, indices=indices)
+        got = argmax_rows(x, allowed=(bits, flags))
+        assert torch.equal(got, ref.argmax(dim=-1))
+
+
 @pytest.mark.parametrize("hidden", [2048, 4096, 8192])
 def test_embed_tokens_real_shapes(hidden):
     from hf_paged.kernels import embed_tokens, embed_tokens_ref

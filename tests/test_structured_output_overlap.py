@@ -13,6 +13,7 @@ import torch
 
 from hf_paged import SamplingParams
 from hf_paged.engine.core import EngineCore
+from hf_paged.structured_output.batch_calls import BatchCalls
 from hf_paged.structured_output.logits_mask import GrammarBitmask, RowMatcher, fill_threads
 from hf_paged.worker.model_runner import ModelRunner
 
@@ -166,6 +167,39 @@ def test_gather_run_finish(tok):
     assert states[0].matcher.is_terminated() and states[0].num_accepted == 3
 
 
+def test_greedy_rows_argmax_kernel_equals_mask_then_argmax(tok):
+    """The sampler's all-greedy path on a GPU (GrammarBitmask.argmax_kernel: the argmax kernel
+    reading the bitmask; here under the interpreter) gives the CPU path's tokens (the mask
+    written into the logits, then argmax), with unconstrained rows in the batch, and with none."""
+    from hf_paged.structured_output.compiler import GrammarService
+    from hf_paged.structured_output.constraint import StructuredOutputs
+
+    service = GrammarService(tok, len(tok))
+    compiled = service.submit(StructuredOutputs(regex="[ab]{2}c")).compiled
+    service.shutdown()
+    a = tok.convert_tokens_to_ids("a")
+    grammar = GrammarBitmask(torch.device("cpu"))
+    rows = [
+        Row("r0", RowMatcher(compiled, {tok.eos_token_id}), [5, 6, a]),
+        Row("plain", None, [5, 6, a]),
+        Row("r1", RowMatcher(compiled, {tok.eos_token_id}), [5, 6]),
+    ]
+    mask = grammar.prepare(rows, len(tok))
+    assert mask.sel == [0, 2]
+    logits = torch.randn(3, len(tok), generator=torch.Generator().manual_seed(0))
+    want = grammar.argmax(logits.clone(), mask)
+    assert want[1] == logits[1].argmax()  # the plain row: its own argmax
+    assert want[0] != logits[0].argmax() and want[2] != logits[2].argmax()  # masked rows
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on the CPU)
+    assert torch.equal(grammar.argmax_kernel(logits.to(device), mask).cpu(), want)
+    every = grammar.prepare([rows[0], rows[2]], len(tok))
+    assert every.sel == [0, 1]
+    two = logits[[0, 2]]
+    assert torch.equal(
+        grammar.argmax_kernel(two.to(device), every).cpu(), grammar.argmax(two.clone(), every)
+    )
+
+
 def allowed_ids(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
     bits = bitmask_row.tolist()
     return [t for t in range(vocab) if (bits[t // 32] >> (t % 32)) & 1]
@@ -251,12 +285,15 @@ def test_helper_job_switch_interval_and_errors(tok, monkeypatch):
         assert sys.getswitchinterval() == interval
         assert second.result().sel == [0]
         assert one.start([Row("z", None, [5, 6, a])], len(tok)).result().bitmask is None
-        broken = RowMatcher(compiled, eos)
-        broken.matcher = None  # xgrammar refuses it on the helper thread
+
+        def refuse(*args):
+            raise RuntimeError("xgrammar refused the call")
+
+        monkeypatch.setattr(BatchCalls, "fill", refuse)  # raised on the helper thread
         gates["w"] = threading.Event()
         gates["w"].set()
-        failing = one.start([Row("w", broken, [5, 6, a])], len(tok))
-        with pytest.raises(Exception):
+        failing = one.start([Row("w", RowMatcher(compiled, eos), [5, 6, a])], len(tok))
+        with pytest.raises(RuntimeError, match="xgrammar refused the call"):
             failing.result()
         one.close()
         assert sys.getswitchinterval() == interval
@@ -289,7 +326,7 @@ def test_an_idle_engine_leaves_the_switch_interval_alone(model, tok):
 
 
 def test_fill_threads_bounded():
-    assert 1 <= fill_threads() <= 8
+    assert 1 <= fill_threads() <= 4
 
 
 def test_shutdown_with_a_deferred_sampling(model, tok):
@@ -302,3 +339,37 @@ def test_shutdown_with_a_deferred_sampling(model, tok):
     assert pending is not None and pending.deferred is not None  # queued by the next step
     eng.shutdown()  # queues it: nothing waits forever on it
     assert pending.deferred is None and pending.host is not None
+
+
+def test_batch_calls_equal_xgrammars_public_calls(tok, monkeypatch):
+    """BatchCalls on the matchers' FFI handles (the path taken with this xgrammar) gives the
+    public batch calls' accept flags and bitmask rows, a refused token included."""
+    from hf_paged.structured_output import batch_calls
+    from hf_paged.structured_output.compiler import GrammarService
+    from hf_paged.structured_output.constraint import StructuredOutputs
+
+    assert batch_calls._core() is not None  # the installed xgrammar takes the fast path
+    service = GrammarService(tok, len(tok))
+    compiled = service.submit(StructuredOutputs(regex="[ab]{3}")).compiled
+    service.shutdown()
+    a, b, bad = tok.convert_tokens_to_ids(["a", "b", "{"])
+    eos = {tok.eos_token_id}
+    width = (len(tok) + 31) // 32
+    got = {}
+    for way in ("handles", "public"):
+        if way == "public":
+            monkeypatch.setattr(batch_calls, "_core", lambda: None)
+        calls = BatchCalls(2)
+        rows = [RowMatcher(compiled, eos) for _ in range(3)]
+        assert all((r.handle is r.matcher) == (way == "public") for r in rows)
+        result = calls.accept([r.handle for r in rows], [a, bad, b])
+        flags = (BatchCalls.all_accepted(result), BatchCalls.accepted(result))
+        every = calls.accept([rows[0].handle, rows[2].handle], [b, a])
+        bitmask = torch.zeros(4, width, dtype=torch.int32)
+        calls.fill([r.handle for r in rows], bitmask, [3, 0, 1])
+        got[way] = (flags, BatchCalls.all_accepted(every), bitmask)
+    assert got["handles"][0] == got["public"][0] == (False, [True, False, True])
+    assert got["handles"][1] is got["public"][1] is True
+    assert torch.equal(got["handles"][2], got["public"][2])
+    assert allowed_ids(got["handles"][2][1], len(tok)) == sorted([a, b])  # "ba": a third letter
+    assert not got["handles"][2][2].any()  # a row not filled

@@ -32,10 +32,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
 
-    import xgrammar
-
     import hf_paged.core.scheduler as scheduler
     import hf_paged.sample.sampler as sampler
+    import hf_paged.structured_output.batch_calls as batch_calls
     import hf_paged.structured_output.logits_mask as mask
     import hf_paged.worker.async_output as async_output
     import hf_paged.worker.model_runner as runner
@@ -71,8 +70,8 @@ def main() -> None:
         (mask.GrammarBitmask, "run", "grammar run"),
         (mask.GrammarBitmask, "finish", "grammar finish"),
         (getattr(mask, "EarlyMask", None), "result", "grammar result (incl. wait)"),
-        (xgrammar.BatchGrammarMatcher, "batch_accept_token", "xgrammar accept"),
-        (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", "xgrammar fill"),
+        (batch_calls.BatchCalls, "accept", "xgrammar accept"),
+        (batch_calls.BatchCalls, "fill", "xgrammar fill"),
     ]:
         if owner is not None:
             time_calls(owner, name, key, spent, calls)

@@ -69,6 +69,11 @@ class Sampler:
             any_feats |= f
         if not any_feats:  # all greedy, nothing to process or record: the hot path
             return SamplerOutput(argmax(logits))
+        if any_feats == F_STRUCTURED:  # all greedy, some rows grammar-constrained
+            if grammar is None or grammar.num_rows != len(rows):
+                grammar = self.grammar.prepare(rows, logits.shape[-1])
+            tokens = self.grammar.argmax(logits, grammar)
+            return SamplerOutput(tokens, failed=grammar.failed or None)
         out = SamplerOutput(None)
         if any_feats & F_BEAM:
             out.tokens = self._defer_beams(logits, rows, feats, pool, out)

@@ -5,6 +5,7 @@ constraint.py    StructuredOutputs: what a request asks for, parsed in the calle
 compiler.py      GrammarService: compilation on a worker thread, cached by constraint
 logits_mask.py   RowMatcher (a running row's grammar state) and GrammarBitmask (the sampler's
                  hook: matchers -> bitmask -> masked logits, one kernel)
+batch_calls.py   BatchCalls: xgrammar's batched accept and fill with no per-row Python
 """
 
 from hf_paged.structured_output.constraint import StructuredOutputs
