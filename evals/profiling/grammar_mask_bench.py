@@ -12,7 +12,8 @@ against xgrammar's one batched call), fill the rows' bitmask (BatchGrammarMatche
 the matchers walk through varied valid JSON. Also measured: the batched calls on another thread
 while this one runs Python. xgrammar releases the GIL inside them, but each hand-over of the GIL
 back to the other thread waits for the running one's switch interval (5 ms), which is why the
-engine prepares the bitmask on the step loop's thread (ModelRunner._defer_sampling).
+engine's helper thread calls xgrammar's FFI functions on ready-made handles (BatchCalls, also
+timed here) rather than the public batch calls.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 from hf_paged_evals.structured_bench import LONG_SCHEMA, bench_tokenizer
 
 from hf_paged import StructuredOutputs
+from hf_paged.structured_output import batch_calls
+from hf_paged.structured_output.batch_calls import BatchCalls
 from hf_paged.structured_output.compiler import GrammarService
 from hf_paged.structured_output.constraint import import_xgrammar
 
@@ -56,7 +59,10 @@ def run(args):
     host = torch.empty((args.rows, width), dtype=torch.int32, pin_memory=pin)
     one = torch.empty_like(host)
     fillers = {t: xgr.BatchGrammarMatcher(max_threads=_threads(t)) for t in args.threads}
-    times: dict[str, list[float]] = {"accept: Python loop": [], "accept: batch_accept_token": []}
+    accepts = ("Python loop", "batch_accept_token", "BatchCalls (FFI handles)")
+    times: dict[str, list[float]] = {f"accept: {way}": [] for way in accepts}
+    engine_calls = BatchCalls(1)
+    handles = [batch_calls.handle(m) for m in matchers]
     for t in args.threads:
         times[f"fill: batch, max_threads={t}"] = []
     times["fill: one matcher at a time"] = []
@@ -66,14 +72,17 @@ def run(args):
     tokens = None
     for step in range(args.steps + args.warmup):
         record = step >= args.warmup
-        if tokens is not None:  # the two ways take turns, on the same matchers
+        if tokens is not None:  # the three ways take turns, on the same matchers
             t0 = time.perf_counter()
-            if step % 2:
+            way = accepts[step % 3]
+            if way == "batch_accept_token":
                 ok = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-            else:
+            elif way == "Python loop":
                 ok = [m.accept_token(t) for m, t in zip(matchers, tokens)]
+            else:  # the engine's: the result read with one call (every token accepted here)
+                result = engine_calls.accept(handles, tokens)
+                ok = [BatchCalls.all_accepted(result)]
             if record:
-                way = "batch_accept_token" if step % 2 else "Python loop"
                 times[f"accept: {way}"].append(time.perf_counter() - t0)
             if not all(ok):
                 raise RuntimeError("a token was refused: the walk left the grammar")
@@ -118,6 +127,9 @@ def handover(matchers, filler, host, vocab: int, busy_s: float = 0.005) -> dict[
     logits = torch.randn(len(matchers), vocab)
     xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab)
     tokens = logits.argmax(dim=-1).tolist()
+    engine_calls = BatchCalls(1)
+    # the engine's helper gets its handles ready-made (one fresh set per call: idle, busy)
+    spare = [[batch_calls.handle(m.fork()) for m in matchers] for _ in range(2)]
 
     def python_work(seconds: float) -> None:
         end = time.perf_counter() + seconds
@@ -136,6 +148,9 @@ def handover(matchers, filler, host, vocab: int, busy_s: float = 0.005) -> dict[
     calls = {
         "batch_accept_token": lambda: xgr.BatchGrammarMatcher.batch_accept_token(
             [m.fork() for m in matchers], tokens
+        ),
+        "BatchCalls accept": lambda: BatchCalls.all_accepted(
+            engine_calls.accept(spare.pop(), tokens)
         ),
         "batch fill": lambda: filler.batch_fill_next_token_bitmask(matchers, host),
     }
