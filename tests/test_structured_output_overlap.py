@@ -373,3 +373,28 @@ def test_batch_calls_equal_xgrammars_public_calls(tok, monkeypatch):
     assert torch.equal(got["handles"][2], got["public"][2])
     assert allowed_ids(got["handles"][2][1], len(tok)) == sorted([a, b])  # "ba": a third letter
     assert not got["handles"][2][2].any()  # a row not filled
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_runner_gives_the_sampler_its_rows_feature_bits(
+    model, tok, monkeypatch, async_scheduling
+):
+    """The runner passes the sampler every feature bit of the rows it samples (from its arrays,
+    so the sampler does not OR them row by row): exactly the rows' bits, in deferred and in-line
+    steps of a batch that mixes constrained, sampled and plain greedy rows."""
+    from hf_paged.sample.sampler import Sampler
+
+    real_call = Sampler.__call__
+    seen = []
+
+    def call(self, logits, rows, pool=None, grammar=None, features=None):
+        want = 0
+        for r in rows:
+            want |= r.features
+        seen.append((features, want))
+        return real_call(self, logits, rows, pool, grammar, features)
+
+    monkeypatch.setattr(Sampler, "__call__", call)
+    run(model, tok, async_scheduling=async_scheduling)
+    assert len(seen) > 5 and all(got == want for got, want in seen), seen
+    assert len({want for _, want in seen}) > 1  # steps with different sets of bits

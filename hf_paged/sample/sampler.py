@@ -59,14 +59,17 @@ class Sampler:
         rows: list[SamplingRow],
         pool: TokenCountPool | None = None,
         grammar: GrammarMask | None = None,
+        features: int | None = None,
     ) -> SamplerOutput:
         """logits: float [B, V] for the B rows that sample this step; pool: the penalty counts
         (rows with a penalty need it); grammar: the constrained rows' bitmask when the runner
-        prepared it ahead (while the forward ran), else it is prepared here."""
-        feats = [r.features for r in rows]
-        any_feats = 0
-        for f in feats:
-            any_feats |= f
+        prepared it ahead (while the forward ran), else it is prepared here; features: every
+        feature bit of the rows, when the caller has it (the runner, from its arrays)."""
+        any_feats = features
+        if any_feats is None:
+            any_feats = 0
+            for r in rows:
+                any_feats |= r.features
         if not any_feats:  # all greedy, nothing to process or record: the hot path
             return SamplerOutput(argmax(logits))
         if any_feats == F_STRUCTURED:  # all greedy, some rows grammar-constrained
@@ -75,6 +78,7 @@ class Sampler:
             tokens = self.grammar.argmax(logits, grammar)
             return SamplerOutput(tokens, failed=grammar.failed or None)
         out = SamplerOutput(None)
+        feats = [r.features for r in rows]
         if any_feats & F_BEAM:
             out.tokens = self._defer_beams(logits, rows, feats, pool, out)
         else:

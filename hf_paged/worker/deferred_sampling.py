@@ -1,12 +1,16 @@
-"""Structured output under asynchronous scheduling: a constrained step's sampling, deferred.
+"""A step's sampling by the sampler: deferred (structured output), or now.
 
-The runner queues such a step's forward at once and returns a PendingOutput whose sampling
-(mask + sampler + token copies) is queued later, by PendingOutput.launch(); defer_sampling's
-docstring has the order and why.
+Under asynchronous scheduling the runner queues a step with grammar-constrained rows at once and
+returns a PendingOutput whose sampling (mask + sampler + token copies) is queued later, by
+PendingOutput.launch(); defer_sampling's docstring has the order and why. Other steps that need
+the sampler sample now (sample_now).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from hf_paged.sampling_params import F_FORK, F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.host_to_device import to_device
 
@@ -46,16 +50,30 @@ def defer_sampling(
         len(step.rows), sample_idx.tolist(), row_ids, step.seq_lens[sample_idx], None,
         ib.epoch[row_ids], runner.device.type == "cuda",
     )  # fmt: skip
-    pending.deferred = DeferredSampling(runner, pending, rows_logits, rows, rows_t, previous)
+    features = int(np.bitwise_or.reduce(ib.features[row_ids]))
+    pending.deferred = DeferredSampling(
+        runner, pending, rows_logits, rows, rows_t, previous, features
+    )
     return pending
+
+
+def sample_now(runner, step, row_ids: np.ndarray, rows, rows_logits):
+    """The sampler on a step's rows now (input-batch rows row_ids; rows: their SamplingRows);
+    it prepares a constrained step's bitmask itself, once the previous step's tokens are in."""
+    ib = runner.input_batch
+    if step.features & F_STRUCTURED and runner._pending is not None:
+        runner._land(runner._pending)  # the grammar matchers need the previous step's tokens
+    features = int(np.bitwise_or.reduce(ib.features[row_ids]))
+    return runner.sampler(rows_logits, rows, ib.penalty_counts, features=features)
 
 
 class DeferredSampling:
     """A deferred step's sampling (defer_sampling has the order); calling it queues it."""
 
-    def __init__(self, runner, pending, rows_logits, rows, rows_t, previous) -> None:
+    def __init__(self, runner, pending, rows_logits, rows, rows_t, previous, features) -> None:
         self.runner, self.pending = runner, pending
         self.rows_logits, self.rows, self.rows_t = rows_logits, rows, rows_t
+        self.features = features  # every feature bit of the rows (the sampler's dispatch)
         self.previous = previous  # the step whose tokens the matchers accept first
         self.early = None  # the bitmask under way on the helper thread (EarlyMask)
 
@@ -74,7 +92,9 @@ class DeferredSampling:
         else:
             mask = runner.sampler.grammar.prepare(rows, self.rows_logits.shape[-1])
         ib = runner.input_batch
-        sampled = runner.sampler(self.rows_logits, rows, ib.penalty_counts, grammar=mask)
+        sampled = runner.sampler(
+            self.rows_logits, rows, ib.penalty_counts, grammar=mask, features=self.features
+        )
         rows_dev = self.rows_t
         if rows_dev is None:
             rows_dev = to_device(self.pending.rows, runner.device)
@@ -84,7 +104,8 @@ class DeferredSampling:
         self.pending.sampled(host, sampled.failed)
 
 
-def forks(rows) -> bool:
+def forks(rows, features: int) -> bool:
     """A row whose siblings sample their first token from its logits this step (n > 1): the
-    sampler adds their rows, and prepares the bitmask itself."""
-    return any(r.siblings and r.num_output_tokens == 0 for r in rows)
+    sampler adds their rows, and prepares the bitmask itself. features: the step's feature
+    bits (no F_FORK: no row to look at)."""
+    return bool(features & F_FORK) and any(r.siblings and r.num_output_tokens == 0 for r in rows)

@@ -22,7 +22,7 @@ from hf_paged.sample.sampler import Sampler
 from hf_paged.sampling_params import F_PRESENCE, F_REPETITION, F_STRUCTURED
 from hf_paged.worker.async_output import PendingOutput
 from hf_paged.worker.attention import make_backend
-from hf_paged.worker.deferred_sampling import defer_sampling, forks
+from hf_paged.worker.deferred_sampling import defer_sampling, forks, sample_now
 from hf_paged.worker.forward_context import ForwardContext, forward_context
 from hf_paged.worker.host_to_device import to_device
 from hf_paged.worker.input_batch import InputBatch
@@ -191,7 +191,7 @@ class ModelRunner:
             ib = self.input_batch
             row_ids = step.rows[sample_idx]
             rows = [ib.sampling[r] for r in row_ids.tolist()]
-            if step.features & F_STRUCTURED and async_output and not forks(rows):
+            if step.features & F_STRUCTURED and async_output and not forks(rows, step.features):
                 self._pending = defer_sampling(
                     self, step, rows_logits, rows, rows_t, sample_idx, self._pending
                 )
@@ -199,9 +199,7 @@ class ModelRunner:
             if graph_tokens is not None:  # rows the kernels take whole: a sampling graph
                 tokens_t = self.graphs.sampling.draw(logits, rows, (step.rows, ib.epoch[step.rows]))
             if tokens_t is None:
-                if step.features & F_STRUCTURED and self._pending is not None:
-                    self._land(self._pending)  # grammar matchers need the previous step's tokens
-                sampled = self.sampler(rows_logits, rows, ib.penalty_counts)
+                sampled = sample_now(self, step, row_ids, rows, rows_logits)
                 tokens_t = sampled.tokens
             if self.config.async_scheduling:  # the next step may read them before the host does
                 if rows_t is None:  # (a decode graph's inputs hold them on the device already)
