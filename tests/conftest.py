@@ -13,6 +13,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # (tests/triton_interpreter.py says why)
+    from tests.triton_interpreter import install as _install_interpreter_shortcut
+
+    _install_interpreter_shortcut()
 
 # pytest-xdist workers (`pytest -n N`) share the cores: intra-op threads per worker are
 # divided among them, so N workers do not run N x cores threads

@@ -217,9 +217,9 @@ def test_in_graph_greedy_tokens_change_no_greedy_output_fp32(lengths):
                 return real_run(step)
 
             class Counting(Sampler):
-                def __call__(self, logits, rows, pool=None, calls=calls, last=last):
+                def __call__(self, logits, rows, pool=None, calls=calls, last=last, **options):
                     calls["sampler after decode"] += last["decode"]
-                    return Sampler.__call__(self, logits, rows, pool)
+                    return Sampler.__call__(self, logits, rows, pool, **options)
 
             def execute(*args, real_execute=runner.execute, last=last, **kwargs):
                 last["decode"] = False  # set by this step's decode replay, if any

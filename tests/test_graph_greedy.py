@@ -39,10 +39,10 @@ class _Watch:
             return real_run(step)
 
         class Counting(Sampler):
-            def __call__(self, logits, rows, pool=None):
+            def __call__(self, logits, rows, pool=None, **options):
                 watch.sampled += 1
                 watch.sampled_after_decode += watch._in_decode
-                return Sampler.__call__(self, logits, rows, pool)
+                return Sampler.__call__(self, logits, rows, pool, **options)
 
         counting = Counting(runner.device)
         counting.__dict__.update(real_sampler.__dict__)
