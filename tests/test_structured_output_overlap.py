@@ -398,3 +398,74 @@ def test_the_runner_gives_the_sampler_its_rows_feature_bits(
     run(model, tok, async_scheduling=async_scheduling)
     assert len(seen) > 5 and all(got == want for got, want in seen), seen
     assert len({want for _, want in seen}) > 1  # steps with different sets of bits
+
+
+def test_repeat_of_a_steady_job_equals_reading_the_rows(tok):
+    """gather() on the last steady job's rows, each one token on, repeats that job's lists
+    (GrammarBitmask.repeat) and gives what reading the rows one by one gives: rows, bitmask,
+    counts. It reads the rows instead when they differ, when a row has more than one new token,
+    when one sampled a stop token, or when the last job had a row that did not go on."""
+    from hf_paged.structured_output.compiler import GrammarService
+    from hf_paged.structured_output.constraint import StructuredOutputs
+
+    service = GrammarService(tok, len(tok))
+    compiled = service.submit(StructuredOutputs(regex="[ab]{8}c?")).compiled
+    service.shutdown()
+    a, b, bad = tok.convert_tokens_to_ids(["a", "b", "{"])
+    eos = tok.eos_token_id
+    vocab = len(tok)
+
+    def rows_of(histories):
+        rows = [
+            Row(f"r{i}", RowMatcher(compiled, {eos}), [5, 6, *h]) for i, h in enumerate(histories)
+        ]
+        return rows[:1] + [Row("plain", None, [5, 6])] + rows[1:]
+
+    repeated, read = GrammarBitmask(torch.device("cpu")), GrammarBitmask(torch.device("cpu"))
+    real_repeat = GrammarBitmask.repeat
+
+    def step(rows_a, rows_b, tokens):
+        for rows in (rows_a, rows_b):  # each constrained row samples its token
+            for row, t in zip([r for r in rows if r.structured], tokens):
+                row.token_ids.append(t)
+        got = repeated.prepare(rows_a, vocab)
+        want = read.prepare(rows_b, vocab)
+        read._last = None  # (the reference always reads the rows)
+        assert got.sel == want.sel and set(got.failed) == set(want.failed)
+        assert torch.equal(got.bitmask[got.sel], want.bitmask[want.sel])
+        counts = [r.structured.num_accepted for r in rows_a if r.structured]
+        assert counts == [r.structured.num_accepted for r in rows_b if r.structured]
+        return got
+
+    hits = []  # what repeat() gave the engine-side GrammarBitmask, call by call
+
+    def repeat(self, rows, v):
+        job = real_repeat(self, rows, v)
+        if self is repeated:
+            hits.append(job)
+        return job
+
+    GrammarBitmask.repeat = repeat
+    try:
+        rows_a, rows_b = rows_of([[], [], []]), rows_of([[], [], []])
+        repeated.prepare(rows_a, vocab), read.prepare(rows_b, vocab)  # first tokens: replays
+        step(rows_a, rows_b, [a, b, a])  # one token a row: read, steady from now on
+        assert hits[-1] is None
+        step(rows_a, rows_b, [b, b, a])  # the same rows one token on: repeated
+        assert hits[-1] is not None and hits[-1].one_tokens == [b, b, a]
+        rows_a[0].token_ids.append(a)  # a row two tokens on: read
+        rows_b[0].token_ids.append(a)
+        step(rows_a, rows_b, [a, a, b])
+        assert hits[-1] is None
+        step(rows_a, rows_b, [b, a, a])  # read (the last job replayed a row), steady
+        assert hits[-1] is None
+        step(rows_a, rows_b, [a, b, b])  # repeated
+        assert hits[-1] is not None and hits[-1].one_tokens == [a, b, b]
+        mask = step(rows_a, rows_b, [a, eos, bad])  # a stop token (too early), a refused token
+        assert hits[-1] is None and mask.sel == [0] and set(mask.failed) == {"r1", "r2"}
+        step(rows_a[:2], rows_b[:2], [b])  # other rows (the failed ones ended): read
+        assert hits[-1] is None
+    finally:
+        GrammarBitmask.repeat = real_repeat
+        repeated.close()
+        read.close()

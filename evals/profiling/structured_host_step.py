@@ -81,6 +81,7 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
             time_calls(logits_mask.GrammarBitmask, name, name, spent)
     if hasattr(logits_mask, "EarlyMask"):  # the helper thread's job, gathered and finished here
         time_calls(logits_mask.GrammarBitmask, "gather", "gather", spent)
+        time_calls(logits_mask.GrammarBitmask, "finish", "finish", spent)
         time_calls(logits_mask.EarlyMask, "result", "result", spent)
     first = engine.core.num_steps
     with frozen_heap():
@@ -108,6 +109,8 @@ def measure(running: int, steps: int, fraction: float, prompt_len: int = 64) -> 
         # prepare() above counts only steps that ran it in line (a row's first sampling)
         on_loop = spent[("gather", True)] + spent[("result", True)] + spent[("run", True)]
         out["of which grammar on the step loop (gather, wait, finish)"] = on_loop * ms
+        out["  of which gather"] = spent[("gather", True)] * ms
+        out["  of which finish"] = spent[("finish", True)] * ms
         out["grammar's xgrammar calls on the helper thread"] = spent[("run", False)] * ms
     return out
 
