@@ -409,7 +409,7 @@ def test_repeat_of_a_steady_job_equals_reading_the_rows(tok):
     from hf_paged.structured_output.constraint import StructuredOutputs
 
     service = GrammarService(tok, len(tok))
-    compiled = service.submit(StructuredOutputs(regex="[ab]{8}c?")).compiled
+    compiled = service.submit(StructuredOutputs(regex="[ab]{20}c?")).compiled
     service.shutdown()
     a, b, bad = tok.convert_tokens_to_ids(["a", "b", "{"])
     eos = tok.eos_token_id
@@ -461,6 +461,15 @@ def test_repeat_of_a_steady_job_equals_reading_the_rows(tok):
         assert hits[-1] is None
         step(rows_a, rows_b, [a, b, b])  # repeated
         assert hits[-1] is not None and hits[-1].one_tokens == [a, b, b]
+        for rows in (rows_a, rows_b):  # two tokens on one row, none on another: read
+            rows[0].token_ids.append(b)
+            rows[2].token_ids.pop()
+        step(rows_a, rows_b, [a, a, a])
+        assert hits[-1] is None
+        step(rows_a, rows_b, [b, b, b])  # steady again
+        assert hits[-1] is None
+        step(rows_a, rows_b, [a, a, a])
+        assert hits[-1] is not None
         mask = step(rows_a, rows_b, [a, eos, bad])  # a stop token (too early), a refused token
         assert hits[-1] is None and mask.sel == [0] and set(mask.failed) == {"r1", "r2"}
         step(rows_a[:2], rows_b[:2], [b])  # other rows (the failed ones ended): read

@@ -130,7 +130,7 @@ class RepeatRows:
     rows: list  # the sampler's rows (compared by identity)
     job: GrammarJob
     histories: list  # the constrained rows' token lists (appended to in place by the runner)
-    total: int  # their summed lengths at job's gather
+    expected: list  # their lengths one token on from job's gather
     stops: frozenset  # every constrained row's stop tokens
 
 
@@ -203,7 +203,7 @@ class GrammarBitmask:
     def repeat(self, rows: list, vocab: int) -> GrammarJob | None:
         """The last steady job again, with each row's new token, when that job finished with
         every row going on and these are its rows: then each row sampled once since (one
-        token, checked by the rows' summed lengths) and none sampled a stop token (checked),
+        token, checked by the rows' lengths) and none sampled a stop token (checked),
         and the job's lists hold (H200 host, 256 rows: the per-row loop took ~0.2 ms of the
         step loop's time a step, on the chain from one step's tokens to the next's sampling:
         docs/structured_output.md). None: read the rows."""
@@ -211,8 +211,8 @@ class GrammarBitmask:
         if last is None or not last.job.clean or rows != last.rows:
             return None
         histories = last.histories
-        total = sum(map(len, histories))
-        if total != last.total + len(histories):
+        lengths = list(map(len, histories))  # (map, not a loop: these run per step)
+        if lengths != last.expected:
             return None
         tokens = [ids[-1] for ids in histories]
         if not last.stops.isdisjoint(tokens):
@@ -223,7 +223,7 @@ class GrammarBitmask:
             list(old.one_handles), list(old.sel), self._buffer(len(rows), (vocab + 31) // 32),
             steady=True,
         )  # fmt: skip
-        last.job, last.total = job, total
+        last.job, last.expected = job, list(map((1).__add__, lengths))
         return job
 
     def _gather_rows(self, rows: list, vocab: int) -> GrammarJob | None:
@@ -261,7 +261,8 @@ class GrammarBitmask:
             job.steady = True
             histories = [rows[i].token_ids for i in sel]
             stops = frozenset().union(*(s.stops for s in states))
-            self._last = RepeatRows(rows, job, histories, sum(map(len, histories)), stops)
+            expected = list(map((1).__add__, map(len, histories)))
+            self._last = RepeatRows(rows, job, histories, expected, stops)
         return job
 
     def run(self, job: GrammarJob) -> None:
