@@ -189,6 +189,7 @@ class GrammarBitmask:
         return EarlyMask(self, future, job, len(rows))
 
     def close(self) -> None:
+        self._last = None  # (it holds the last steady step's rows)
         if self._helper is not None:
             self._helper.shutdown(wait=True)
             self._helper = None
