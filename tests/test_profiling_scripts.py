@@ -42,8 +42,10 @@ def test_gpu_scripts_parse_their_flags(script):
 
 
 def test_host_overhead_measures_each_phase_on_the_cpu():
-    text = _run(str(PROFILING / "host_overhead.py"), "--running", "4", "--steps", "3")
-    assert "4 running requests" in text
+    # (with two LoRA adapters over the requests: the engine's multi-LoRA step on the host)
+    args = ("--running", "4", "--steps", "3", "--adapters", "2")
+    text = _run(str(PROFILING / "host_overhead.py"), *args)
+    assert "4 running requests, 2 LoRA adapters" in text
     rows = {line[:34].strip(): line for line in text.splitlines()[1:] if line.strip()}
     assert {"step()", "schedule", "update", "slowest step"} <= set(rows)
     step_ms = float(rows["step()"].split()[-2])

@@ -189,3 +189,24 @@ def kernel_rows(events, steps: int, top: int = 25) -> str:
     for name, times in rows:
         text += f"\n  {len(times) / steps:13.1f} {sum(times) / steps:8.1f}  {name[:90]}"
     return text
+
+
+# the projections a benchmark adapter targets: all seven of a Llama layer
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def add_adapters(model, count: int, rank: int):
+    """A PeftModel of model with count LoRA adapters a0, a1, ... of this rank on PROJECTIONS,
+    their B matrices random (peft starts them at zero: an adapter that changes nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)
+    peft_model = get_peft_model(model, cfg, adapter_name="a0")
+    for i in range(1, count):
+        peft_model.add_adapter(f"a{i}", cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in peft_model.modules():
+            for lin in getattr(module, "lora_B", {}).values():
+                lin.weight.normal_(std=0.01)
+    return peft_model.eval()

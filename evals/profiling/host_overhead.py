@@ -1,6 +1,7 @@
 """Host (CPU) time per decode step, split by phase, with the model's forward stubbed out.
 
     python evals/profiling/host_overhead.py [--running 256] [--steps 100] [--freeze 0]
+        [--adapters N]
 
 What the step loop costs the host whatever the model: scheduling, input preparation, the output
 update and building RequestOutputs. With asynchronous scheduling this work overlaps the GPU's,
@@ -10,7 +11,9 @@ stands in for the model (its forward is replaced by a zero-logits stub); runs on
 
 Also reported: the slowest step and the garbage collections during the timed steps. They run
 inside hf_paged.gc_freeze.frozen_heap(), as Engine.generate does; --freeze 0 runs them without it,
-to show what full collections of the pre-run heap cost.
+to show what full collections of the pre-run heap cost. --adapters N: the stand-in is a PeftModel
+with N rank-4 LoRA adapters on every projection, the requests spread over them in turn (what a
+multi-LoRA engine's step adds on the host: each token's adapter slot, the step's LoRA batch).
 """
 
 from __future__ import annotations
@@ -34,15 +37,25 @@ PHASES = {  # phase -> (what owns it: an attribute of the engine, or a module; t
 
 
 def measure(
-    running: int = 256, steps: int = 100, prompt_len: int = 200, freeze: bool = True
+    running: int = 256,
+    steps: int = 100,
+    prompt_len: int = 200,
+    freeze: bool = True,
+    adapters: int = 0,
 ) -> dict[str, float]:
 
     from hf_paged import Engine, SamplingParams
     from hf_paged.gc_freeze import frozen_heap
 
-    engine = Engine(bench_setup.host_model(512), max_num_seqs=running, num_blocks=20000)
-    params = SamplingParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
+    model = bench_setup.host_model(512)
+    if adapters:
+        model = bench_setup.add_adapters(model, adapters, rank=4)
+    engine = Engine(model, max_num_seqs=running, num_blocks=20000)
     for i in range(running):
+        params = SamplingParams(
+            max_tokens=steps + 50, temperature=0, ignore_eos=True,
+            adapter=f"a{i % adapters}" if adapters else None,
+        )  # fmt: skip
         engine.add_request([(7 * i + j) % 500 + 3 for j in range(prompt_len)], params)
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
@@ -100,11 +113,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps")
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--freeze", type=int, choices=(0, 1), default=1, help="0: no gc.freeze")
+    parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters (0: none)")
     args = parser.parse_args()
     running = args.running
-    result = measure(running, args.steps, args.prompt_len, args.freeze == 1)
+    result = measure(running, args.steps, args.prompt_len, args.freeze == 1, args.adapters)
     cpu = f"{torch.get_num_threads()} threads, torch {torch.__version__}"
-    print(f"host time per decode step, {running} running requests, forward stubbed ({cpu}):")
+    lora = f", {args.adapters} LoRA adapters" if args.adapters else ""
+    print(f"host time per decode step, {running} running requests{lora}, forward stubbed ({cpu}):")
     for name, value in result.items():
         unit = "" if name.endswith("collections") else " ms"
         print(f"  {name:32s} {value:8.3f}{unit}")

@@ -41,7 +41,9 @@ import time
 import torch
 from bench_setup import (
     PEAK_BW,
+    PROJECTIONS,
     SHAPES,
+    add_adapters,
     add_engine_options,
     build_model,
     engine_options,
@@ -53,7 +55,6 @@ from bench_setup import (
 
 PASSES = 1  # timed passes of each engine run (--passes); the last one is reported
 PROFILE = False  # --profile: one more pass of each batched run under torch.profiler
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _sync(device: str) -> None:
@@ -158,21 +159,6 @@ def run_hf(model, prompts, names, new_tokens: int, batch: int, device: str) -> f
         made += (out.shape[1] - ids.shape[1]) * len(chunk)
     _sync(device)
     return made / (time.perf_counter() - t)
-
-
-def add_adapters(model, count: int, rank: int):
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)
-    peft_model = get_peft_model(model, cfg, adapter_name="a0")
-    for i in range(1, count):
-        peft_model.add_adapter(f"a{i}", cfg)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for module in peft_model.modules():
-            for lin in getattr(module, "lora_B", {}).values():
-                lin.weight.normal_(std=0.01)
-    return peft_model.eval()
 
 
 def main() -> None:
