@@ -197,7 +197,7 @@ def test_device_advanced_inputs_are_the_steps_inputs(tiny_model):
             assert v["positions"][:n].tolist() == step.positions.tolist()
             assert v["seq_lens"][:n].tolist() == step.seq_lens.tolist()
             assert v["slot_mapping"][:n].tolist() == step.slot_mapping.tolist()
-            assert v["rows"][:n].tolist() == step.row_of_token.tolist()
+            assert v["rows"][:n].tolist() == step.source.tolist()
             assert v["pending"][:n].all() and (v["slot_mapping"][n:] == -1).all()
         return real_replay(kind, size)
 

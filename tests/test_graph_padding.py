@@ -191,7 +191,7 @@ def test_packed_graph_inputs_layout_and_padding(tiny_model):
     assert {k for k, *_ in seen} == {"decode", "mixed"}
     for kind, size, count, batch, step, v in seen:
         assert v["positions"][:count].tolist() == step.positions.tolist()
-        assert v["rows"][:count].tolist() == step.row_of_token.tolist()
+        assert v["rows"][:count].tolist() == step.source.tolist()
         assert v["seq_lens"][:batch].tolist() == step.seq_lens.tolist()
         assert (v["slot_mapping"][count:] == -1).all() and (v["seq_lens"][batch:] == 1).all()
         assert not v["pending"][count:].any() and (v["input_ids"][count:] == 0).all()

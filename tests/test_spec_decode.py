@@ -161,11 +161,13 @@ def test_small_verify_steps_replay_a_small_mixed_graph_with_the_fused_forward(ti
     opts = dict(attention_backend="triton", async_scheduling=False)
     ref = _reference(target, prompts, 8, small_batch_rows=0, **opts)
     fixed = dict(FIXED, num_speculative_tokens=k)
-    engine = Engine(
-        target, draft_model=tiny_model("llama", seed=3), small_batch_rows=8, **opts, **fixed
-    )
+    # a draft equal to the target: every proposal accepted, so a verify input read from the
+    # wrong device entry would change the tokens
+    engine = Engine(target, draft_model=tiny_model("llama"), small_batch_rows=8, **opts, **fixed)
     graphs = engine.runner.graphs = CudaGraphRunner(engine.runner, eager=True)
     assert graphs.token_buckets[:4] == [2, 4, 8, 32]
+    _draft_graphs(engine)  # k = 5: the verify steps read d_1 .. d_5 on the device
+    read_on_device = _device_reads(engine)
     fast = engine.runner.forward.small_batch
     rows = []
     engine.runner.forward.small_batch = type(
@@ -179,10 +181,12 @@ def test_small_verify_steps_replay_a_small_mixed_graph_with_the_fused_forward(ti
     )()
     got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=8, temperature=0))
     assert engine.stats()["spec_num_verify_steps"] > 0
+    assert engine.stats()["spec_acceptance_rate"] == 1.0
     engine.shutdown()
     assert got == ref
     assert graphs.replays["mixed"] > 0
     assert graphs.token_bucket_for(k + 1) in rows  # the verify steps' padded bucket, fused
+    assert (5 in read_on_device) == (k == 5)  # (fewer proposals near the length limit)
 
 
 @pytest.mark.parametrize(
@@ -206,11 +210,12 @@ def test_draft_chain_replays_its_decode_graph(tiny_model, lengths, budget):
     )
     runs = _draft_graphs(engine)
     spec, cuts = engine.runner.spec, []
+    read_on_device = _device_reads(engine)
     land = spec.land
 
     def watch(scheduled):  # rows whose scheduled proposals are fewer than the draft made
         unread = spec.draft._unread
-        made = {rid: len(p) for rid, p in unread[-1].items()} if unread else {}
+        made = {rid: len(p) for rid, p in unread[4].items()} if unread else {}
         land(scheduled)
         cuts.extend(r for r, p in (scheduled or {}).items() if len(p) < made.get(r, 0))
 
@@ -218,6 +223,7 @@ def test_draft_chain_replays_its_decode_graph(tiny_model, lengths, budget):
     got, outs = _outputs(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
     engine.shutdown()
     assert got == ref
+    assert read_on_device and all(n > 0 for n in read_on_device)
     assert all(o.spec_acceptance_rate == 1.0 for o in outs)
     done = [r for r in runs if r is not None]
     # every chain: up to k = 4 proposals (fewer near the length limit), d_2 from its step and
@@ -253,6 +259,22 @@ def test_adversarial_draft_still_identical(tiny_model):
     engine.shutdown()
 
 
+def _device_reads(engine) -> list:
+    """Watches the target's forwards: for each verify step launched before the host read the
+    draft's proposals (they were queued on the device: step_inputs.DeviceProposals), how many
+    of its input tokens it reads on the device."""
+    runner, reads = engine.runner, []
+    run_forward = runner._run_forward
+
+    def forward(step, kept):
+        if step.num_spec is not None and runner.spec.on_device() is not None:
+            reads.append(int(step.pending.sum()))
+        return run_forward(step, kept)
+
+    runner._run_forward = forward
+    return reads
+
+
 def _draft_graphs(engine) -> list:
     """The draft's runner on the graph runner's padded buffers without capture (eager): its
     chains run as decode runs and their proposals are read when the next step starts. Returns
@@ -263,8 +285,8 @@ def _draft_graphs(engine) -> list:
     graphs = draft.graphs = CudaGraphRunner(draft, eager=True)
     real, runs = graphs.decode_again, []
 
-    def decode_again(step, n):
-        runs.append(real(step, n))
+    def decode_again(step, n, out=None):
+        runs.append(real(step, n, out))
         return runs[-1]
 
     graphs.decode_again = decode_again

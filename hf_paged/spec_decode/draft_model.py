@@ -17,7 +17,10 @@ All k are queued without a wait between them (each reads the token drawn before 
 device, as asynchronous scheduling does); the host reads the proposals once, after the last.
 Where every request proposes k, d_3 .. d_k replay the decode graph of d_2's step again with no
 host work between (its inputs move themselves on): preparing a step on the host took longer
-than the draft's forward (~0.65 ms against ~0.37 ms, SmolLM2-135M shape, H200).
+than the draft's forward (~0.65 ms against ~0.37 ms, SmolLM2-135M shape, H200). Such a chain
+also leaves its proposals in the target runner's last_tokens, past its rows
+(step_inputs.DeviceProposals): the target's verify step reads them there, so the host prepares
+and launches it while the draft still runs, and reads the proposals only after that.
 The draft's KV for d_1 .. d_{k-1} is valid as far as the target accepts them (on_verified);
 past that the next catch-up rewrites it.
 
@@ -36,6 +39,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.core.outputs import NewRequestData, ScheduledBatch
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.step_inputs import DeviceProposals
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -59,7 +63,15 @@ def check_draft(draft: torch.nn.Module, target: torch.nn.Module) -> None:
 
 
 class DraftProposer:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        num_blocks: int,
+        proposal_entries: tuple[torch.Tensor, int] | None = None,
+    ) -> None:
+        """proposal_entries: (the target runner's last_tokens, the first entry past its rows)
+        where a decode-run chain leaves its proposals on the device; None: only on the host."""
         from hf_paged.integrations.fused_projections import fuse_projections
         from hf_paged.integrations.transformers import enable_paged_attention
         from hf_paged.worker.model_runner import ModelRunner
@@ -86,8 +98,13 @@ class DraftProposer:
         self.valid: dict[str, int] = {}
         # requests that proposed last step: (first position fed a proposal, proposals made)
         self.fed: dict[str, tuple[int, int]] = {}
+        self.entries = None  # the target's proposal entries, int64 [k * max_num_seqs]
+        if proposal_entries is not None:
+            last_tokens, first = proposal_entries
+            self.entries, self.first_entry = last_tokens[first:], first
         # a chain queued whose tokens the host has not read (land()): the catch-up, its
-        # pending output, the decode steps' batch, their decode run, the proposals handed out
+        # pending output, the decode steps' batch, their decode run, the proposals handed out,
+        # where they are on the device (DeviceProposals, or None)
         self._unread = None
 
     def propose(self, batch: ScheduledBatch, step, target_ib, accepted, limits: dict) -> dict:
@@ -156,18 +173,26 @@ class DraftProposer:
                     decode.num_tokens.append(known + j)
                     decode.block_ids.append(block_ids)
             chain.append(decode)
+        # every proposing request goes on to the last step: the rest of the chain may replay
+        # the first decode step's graph with no host work between (queue_decode_run)
+        as_run = len(chain) > 2 and len(chain[-1]) == len(want)
+        entries = None  # the target's entries for the chain's tokens, [k, requests]
         for j, scheduled in enumerate(chain):
             pending = self.runner.execute(scheduled, async_output=True)
-            if j == 1 and len(chain) > 2 and len(chain[-1]) == len(want):
-                # every proposing request goes on to the last step: the rest of the chain
-                # replays the first decode step's graph with no host work between
-                # (model_runner.queue_decode_run)
-                run = queue_decode_run(self.runner, pending, len(chain) - 2)
+            if j == 0 and as_run:
+                entries = self._first_entries(pending, len(chain), len(want))
+            if j == 1 and as_run:
+                out = entries[1:] if entries is not None else None
+                run = queue_decode_run(self.runner, pending, len(chain) - 2, out)
                 if run is not None:
                     # read later (land()): every proposing request samples d_1 in the
                     # catch-up (it feeds its newest token) and d_2 .. d_k in the decode steps
                     proposals = {rid: [-1] * len(chain) for rid in scheduled.req_ids}
-                    self._unread = (catch_up, before[1], scheduled, run, proposals)
+                    device = None
+                    if entries is not None:
+                        columns = {rid: c for c, rid in enumerate(scheduled.req_ids)}
+                        device = DeviceProposals(self.first_entry, len(want), columns)
+                    self._unread = (catch_up, before[1], scheduled, run, proposals, device)
                     before = None
                     break
             if before is not None:
@@ -179,6 +204,24 @@ class DraftProposer:
             self.fed[rid] = (want[rid][1], len(tokens))
         return proposals
 
+    def _first_entries(self, catch_up, k: int, num_requests: int) -> torch.Tensor | None:
+        """The target's entries for a chain of k tokens of num_requests requests, [k, requests]
+        (contiguous), with d_1 (the catch-up's tokens: the proposing requests sample there, in
+        the decode steps' order) copied into row 0 now, before the decode step's graph
+        overwrites them. None where the entries cannot hold the chain."""
+        tokens = catch_up.device_tokens
+        if self.entries is None or tokens is None or len(tokens) != num_requests:
+            return None
+        if k * num_requests > self.entries.numel():
+            return None
+        entries = self.entries[: k * num_requests].view(k, num_requests)
+        entries[0].copy_(tokens)
+        return entries
+
+    def device_proposals(self) -> DeviceProposals | None:
+        """Where the proposals of the chain queued last, not read yet, are on the device."""
+        return self._unread[-1] if self._unread is not None else None
+
     def land(self) -> dict[str, list[int]] | None:
         """Read the tokens of the chain propose() queued last, if not read yet, into the
         proposal lists it handed out (and the draft's rows); returns those lists."""
@@ -187,7 +230,7 @@ class DraftProposer:
         unread, self._unread = self._unread, None
         if unread is None:
             return None
-        catch_up, pending, decodes, run, proposals = unread
+        catch_up, pending, decodes, run, proposals, _ = unread
         out = self.runner.finish_async(pending)
         for rid, t in zip(catch_up.req_ids, out.sampled_token_ids):
             if rid in proposals:

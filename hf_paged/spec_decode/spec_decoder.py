@@ -110,8 +110,23 @@ class SpecDecoder:
                     out[batch.req_ids[i]] = proposal
         return out or None
 
+    def on_device(self):
+        """The draft's last proposals where they are queued on the device, not read yet (a
+        step_inputs.DeviceProposals), or None."""
+        return self.draft.device_proposals() if self.draft is not None else None
+
+    def before_step(self, batch: ScheduledBatch):
+        """Before a step's host preparation: where the draft's proposals are on the device
+        (the step's inputs read them there; the host reads them once the forward is queued,
+        for the rejection sampler: land()), or None, having read them now."""
+        on_device = self.on_device()
+        if on_device is None:
+            self.land(batch.spec_token_ids)
+        return on_device
+
     def land(self, scheduled: dict[str, list[int]] | None) -> None:
-        """Before a step: the draft's last proposals, queued on the device and handed out as
+        """Before a step, or once its forward is queued when that reads them on the device
+        (on_device()): the draft's last proposals, queued on the device and handed out as
         placeholders (DraftProposer.propose), are read; their values fill the lists handed out
         and this step's scheduled copies of them (the scheduler may have cut a list short)."""
         landed = self.draft.land() if self.draft is not None else None
@@ -163,5 +178,6 @@ def build_spec_decoder(runner, config: EngineConfig) -> SpecDecoder:
     if config.draft_model is not None:
         from hf_paged.spec_decode.draft_model import DraftProposer
 
-        draft = DraftProposer(config.draft_model, config, runner.num_blocks)
+        entries = (runner.last_tokens, config.max_num_seqs)  # (ModelRunner: k entries a row)
+        draft = DraftProposer(config.draft_model, config, runner.num_blocks, entries)
     return SpecDecoder(runner, config, draft)

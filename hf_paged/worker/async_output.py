@@ -38,6 +38,9 @@ class PendingOutput:
         # a plain greedy decode step that replayed a CUDA graph: its StepInputs, so more steps
         # of the same rows can replay the graph again (model_runner.queue_decode_run)
         self.decode_step = None
+        # the sampled tokens on the device (int64 [len(sample_rows)]), as the step left them: a
+        # decode graph's static output is overwritten by its next replay
+        self.device_tokens = None
         if host is not None and on_cuda:  # the copy (or the graph's write) is queued
             self.event = torch.cuda.Event()
             self.event.record()

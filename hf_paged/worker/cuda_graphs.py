@@ -314,19 +314,21 @@ class CudaGraphRunner:
         )
         return self._replay("decode", padded)[:batch]
 
-    def decode_again(self, step, n: int) -> torch.Tensor | None:
+    def decode_again(self, step, n: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """n more replays of the decode graph run(step) just replayed, each on the inputs the
         one before moved on (positions, cache slots, and each row's input token: the greedy
         token the replay before wrote into last_tokens): the rows' tokens of run(step) and of
-        the n replays, int64 [n + 1, batch] on the device, with no host work but the launches
-        (the draft model's proposals: spec_decode/draft_model.py). None where the graph does
-        not move its inputs on, a row's input token came from the host, or the new positions
-        leave the block table columns sent; the caller then runs steps as usual."""
+        the n replays, int64 [n + 1, batch] on the device (written into `out` when given),
+        with no host work but the launches (the draft model's proposals:
+        spec_decode/draft_model.py). None where the graph does not move its inputs on, a row's
+        input token came from the host, or the new positions leave the block table columns
+        sent; the caller then runs steps as usual."""
         batch = len(step.rows)
         padded = self.bucket_for(batch)
         if not self._advances(padded) or not self.inputs.holds_run(step, n):
             return None
-        out = torch.empty((n + 1, batch), dtype=torch.long, device=self.runner.device)
+        if out is None:
+            out = torch.empty((n + 1, batch), dtype=torch.long, device=self.runner.device)
         out[0].copy_(self.greedy[padded][:batch])
         for j in range(1, n + 1):
             self._landing ^= 1  # the landing row alternates with each replay, as in run()

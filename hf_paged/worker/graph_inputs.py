@@ -43,11 +43,13 @@ def _packed_layout(kind: str, tokens: int, seqs: int, table_width: int = 0, lora
     lora: each token's LoRA adapter slot too."""
     fields = [
         ("input_ids", torch.long, tokens),  # from the host (tokens it already has)
-        ("rows", torch.long, tokens),  # InputBatch row of each token: last_tokens[row]
+        # each token's entry of last_tokens (StepInputs.source): its InputBatch row, where a
+        # decode graph also writes its greedy token; a draft's proposal past the rows
+        ("rows", torch.long, tokens),
         ("positions", torch.long, tokens),
         ("slot_mapping", torch.long, tokens),
         ("seq_lens", torch.int32, seqs),
-        ("pending", torch.bool, tokens),  # the token was sampled by the step before
+        ("pending", torch.bool, tokens),  # the token is read on the device: last_tokens[rows]
     ]
     if kind == "mixed":
         fields += [("keep", torch.long, seqs), ("query_start_loc", torch.int32, seqs + 1)]
@@ -218,7 +220,7 @@ class PackedGraphInputs:
         batch = len(step.rows)
         for name, values in (
             ("input_ids", step.input_ids),
-            ("rows", step.row_of_token),
+            ("rows", step.source),
             ("positions", step.positions),
             ("slot_mapping", step.slot_mapping),
             ("pending", step.pending if step.pending is not None else False),

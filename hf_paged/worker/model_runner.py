@@ -108,9 +108,10 @@ class ModelRunner:
                 config.max_num_seqs, config.max_model_len, config.block_size, self.device
             )
             # Asynchronous scheduling: each row's last sampled token stays on the device for the
-            # next step, and lands on the host in one of two alternating (pinned) buffers.
+            # next step, and lands on the host in one of two alternating (pinned) buffers. With
+            # a draft model, k entries a row more for its proposals (DeviceProposals).
             self.last_tokens = torch.zeros(
-                config.max_num_seqs, dtype=torch.long, device=self.device
+                config.max_num_seqs * (1 + _draft_k(config)), dtype=torch.long, device=self.device
             )
             pin = self.device.type == "cuda"
             self._host_tokens = [
@@ -152,10 +153,9 @@ class ModelRunner:
         PendingOutput whose result() waits for the sampled tokens (one device-to-host copy)."""
         deferred = self._pending if self._pending and self._pending.deferred else None
         self.steps += 1
-        if self.spec is not None:  # the draft's proposals were queued, not read: read now
-            self.spec.land(batch.spec_token_ids)
+        on_device = self.spec.before_step(batch) if self.spec is not None else None
         self._update_rows(batch)
-        step = prepare_inputs(batch, self.input_batch, self.block_size)
+        step = prepare_inputs(batch, self.input_batch, self.block_size, on_device)
         kept = kept_rows(step, self.input_batch)
         if deferred is not None:
             # the last step's sampling (structured output) is queued just before this step's
@@ -164,6 +164,8 @@ class ModelRunner:
         if async_output and step.features & (F_REPETITION | F_PRESENCE):  # never a verify step
             _take_pending_tokens(self, step, kept.sample_idx)
         logits, graph_tokens, rows_t = self._run_forward(step, kept)
+        if on_device is not None:
+            self.spec.land(batch.spec_token_ids)
         prompt_logprobs = self._prompt_logprobs(logits, kept, step) if kept.logprob_spans else None
         sample_idx = kept.sample_idx
         num_seqs = len(batch)
@@ -215,6 +217,7 @@ class ModelRunner:
                 self.input_batch.epoch[step.rows[sample_idx]], self.device.type == "cuda",
             )  # fmt: skip
             self._pending.failed = sampled.failed if sampled is not None else None
+            self._pending.device_tokens = tokens_t
             if landed is not None and self.graphs.advance:
                 self._pending.decode_step = step
             return self._pending
@@ -360,6 +363,11 @@ class ModelRunner:
         return self._host_tokens[self._host_flip][:n]
 
 
+def _draft_k(config: EngineConfig) -> int:
+    """Proposals a row a draft model makes at most (0: no draft)."""
+    return config.num_speculative_tokens if config.draft_model is not None else 0
+
+
 def _take_pending_tokens(runner: ModelRunner, step: StepInputs, sample_idx) -> None:
     """Penalised rows whose input token (position seq_len - 1) the host has not read yet
     (asynchronous scheduling) and whose counts do not hold it (a sampling graph counts its draws
@@ -384,18 +392,21 @@ def _take_pending_tokens(runner: ModelRunner, step: StepInputs, sample_idx) -> N
         pool.pending_tokens = runner.last_tokens.index_select(0, at)
 
 
-def queue_decode_run(runner: ModelRunner, pending: PendingOutput, n: int) -> PendingOutput | None:
+def queue_decode_run(
+    runner: ModelRunner, pending: PendingOutput, n: int, out: torch.Tensor | None = None
+) -> PendingOutput | None:
     """After runner.execute(..., async_output=True) returned `pending` for a plain greedy decode
     step that replayed a graph: the same rows' next n steps, each feeding the token the one
     before drew, queued with no host work between them (CudaGraphRunner.decode_again; the draft
     model's chain of proposals, where preparing each step on the host took longer than its
     forward). Returns the PendingOutput of all n + 1 steps, for finish_decode_run; `pending` is
-    then read only through it (the replays reuse its landing row). None where that cannot run:
-    read `pending` with finish_async and run the steps as usual."""
+    then read only through it (the replays reuse its landing row); out: where the tokens go on
+    the device, int64 [n + 1, batch] contiguous. None where that cannot run: read `pending`
+    with finish_async and run the steps as usual."""
     step = pending.decode_step
     if step is None or pending is not runner._pending or runner.tp is not None:
         return None
-    tokens = runner.graphs.decode_again(step, n)
+    tokens = runner.graphs.decode_again(step, n, out)
     if tokens is None:
         return None
     on_cuda = runner.device.type == "cuda"

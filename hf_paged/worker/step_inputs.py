@@ -35,10 +35,13 @@ class StepInputs:
     positions: np.ndarray  # int64 [num_tokens]
     input_ids: np.ndarray  # int64 [num_tokens]
     slot_mapping: np.ndarray  # int64 [num_tokens]
-    # asynchronous scheduling: tokens sampled by the previous step, not on the host yet (their
-    # input id is read on the device from ModelRunner.last_tokens); None when there are none
+    # tokens not on the host yet, read on the device from ModelRunner.last_tokens: sampled by
+    # the previous step (asynchronous scheduling), or a draft's proposals (DeviceProposals);
+    # None when there are none
     pending: np.ndarray | None  # bool [num_tokens]
-    row_of_token: np.ndarray  # int64 [num_tokens]
+    # each token's entry of last_tokens, read where it is pending: its InputBatch row, or a
+    # draft proposal's entry past the rows
+    source: np.ndarray  # int64 [num_tokens]
     max_blocks: int
     decode_only: bool
     any_logprobs: bool  # some request computes prompt log-probs in this step's tokens
@@ -50,7 +53,21 @@ class StepInputs:
     lora_slots: np.ndarray | None = None  # int32 [num_tokens]
 
 
-def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> StepInputs:
+@dataclass(slots=True)
+class DeviceProposals:
+    """A draft model's proposals, queued on the device and not read by the host yet
+    (spec_decode/draft_model.py): proposal j of the request in column c is
+    ModelRunner.last_tokens[first + j * stride + c]. A verify step reads them there, so its
+    host preparation and launch need not wait for the draft."""
+
+    first: int
+    stride: int
+    column: dict[str, int]  # request id -> column
+
+
+def prepare_inputs(
+    batch: ScheduledBatch, ib: InputBatch, block_size: int, on_device: DeviceProposals | None = None
+) -> StepInputs:
     num_seqs = len(batch.req_ids)
     req_to_row = ib.req_to_row
     row_list = [req_to_row[req_id] for req_id in batch.req_ids]
@@ -80,7 +97,20 @@ def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> St
     seq_of_token = np.repeat(np.arange(num_seqs), num_sched)
     positions = np.arange(num_tokens) - qsl[seq_of_token] + starts[seq_of_token]
     row_of_token = rows[seq_of_token]
-    any_pending = bool((total_tokens > known).any())
+    pending = positions >= known[seq_of_token] if bool((total_tokens > known).any()) else None
+    source = row_of_token
+    if on_device is not None and num_spec is not None:
+        # the proposals are the step's tokens past each request's known ones (a verify step is
+        # synchronous: no token of its own is pending); ib.token_ids holds placeholders there
+        column = np.fromiter(
+            (on_device.column.get(r, -1) for r in batch.req_ids), dtype=np.int64, count=num_seqs
+        )[seq_of_token]
+        ahead = positions - known[seq_of_token]
+        drafted = (ahead >= 0) & (column >= 0)
+        if drafted.any():
+            entry = on_device.first + ahead * on_device.stride + column
+            source = np.where(drafted, entry, row_of_token)
+            pending = drafted if pending is None else pending | drafted
     return StepInputs(
         rows=rows,
         starts=starts,
@@ -93,8 +123,8 @@ def prepare_inputs(batch: ScheduledBatch, ib: InputBatch, block_size: int) -> St
         slot_mapping=ib.block_table[row_of_token, positions // block_size].astype(np.int64)
         * block_size
         + positions % block_size,
-        pending=positions >= known[seq_of_token] if any_pending else None,
-        row_of_token=row_of_token,
+        pending=pending,
+        source=source,
         max_blocks=int(ib.num_blocks[rows].max()),
         decode_only=num_tokens == num_seqs,
         any_logprobs=bool(ib.prompt_logprobs[rows].any()),
@@ -140,13 +170,13 @@ def device_input_ids(
 ) -> torch.Tensor | PendingTokens:
     if step.pending is None:
         return to_device(step.input_ids, device)
-    # tokens the previous step sampled are only on the device: read them from last_tokens
-    rows = to_device(step.row_of_token, device)
+    # tokens only on the device (the previous step's, a draft's proposals): read from last_tokens
+    source = to_device(step.source, device)
     if step.pending.all():  # the usual decode step: every input is the last sampled token
-        return last_tokens[rows]
+        return last_tokens[source]
     # some of each: the forward resolves them (in the small-batch forward's embedding kernel)
     pending = to_device(step.pending, device)
-    return PendingTokens(to_device(step.input_ids, device), pending, rows, last_tokens)
+    return PendingTokens(to_device(step.input_ids, device), pending, source, last_tokens)
 
 
 @dataclass(slots=True)
