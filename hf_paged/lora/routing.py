@@ -12,7 +12,7 @@ name, how many may be live at once, and which slot each one's tokens use in a st
   more than one Engine on the model (their schedulers do not see each other's waiting
   requests), more than max_loras distinct adapters among live requests (running, waiting or
   queued) are refused with a ValueError naming max_loras instead.
-- slots_for(names, running), once per step from the runner's side: LoraSlots.resolve.
+- slots_for(names), once per step from the runner's side: LoraSlots.resolve.
 """
 
 from __future__ import annotations
@@ -161,21 +161,22 @@ class LoraRouting:
         """Whether a request of adapter `name` may start beside the adapters running: the
         calling Engine's (`running`, with those its step starts), every Engine's rows on the
         model, and removed adapters whose slots are kept for their waiting requests."""
-        busy = set(running)
-        for ib in list(self._batches):
-            busy.update(ib.adapter[row] for row in ib.req_to_row.values())
-        busy.discard(None)
+        busy = (set(running) | self._running_adapters()) - {None}
         kept = self.slots.kept_for_removed()
         if kept:  # (a removed adapter no request needs any more frees its slot at the next step)
             busy |= kept & self._live_adapters()
         return name in busy or len(busy) < self.max_loras
 
     def slots_for(self, names: set[str]) -> dict[str, int]:
+        return self.slots.resolve(names, self._running_adapters, self._live_adapters)
+
+    def _running_adapters(self) -> set[str]:
+        """The adapters of every Engine's running rows on the model."""
         running = set()
         for ib in list(self._batches):
             running.update(ib.adapter[row] for row in ib.req_to_row.values())
         running.discard(None)
-        return self.slots.resolve(names, running, self._live_adapters)
+        return running
 
     def _live_adapters(self) -> set[str]:
         """The adapters of every request admitted and not ended (running, waiting, queued)."""

@@ -176,16 +176,20 @@ class LoraSlots:
         self._probe = {}
 
     def resolve(
-        self, names: set[str], running: set[str], live: Callable[[], set[str]]
+        self,
+        names: set[str],
+        running: Callable[[], set[str]],
+        live: Callable[[], set[str]],
     ) -> dict[str, int]:
         """The slot of each adapter in `names` (one step's), copying those not in a slot (or
-        replaced by peft since) into free or reusable slots. running: the adapters of every
-        running request; live(): those of every request not ended (waiting ones too), asked
-        only when peft has removed an adapter that holds a slot."""
+        replaced by peft since) into free or reusable slots. running(): the adapters of every
+        running request; live(): those of every request not ended (waiting ones too). Both are
+        asked only when a slot may change hands (a step's usual call needs neither: a loop over
+        every running row each step cost ~14 us of ~76 for 256 rows on a 2-core CPU)."""
         present = set(getattr(self.model, "peft_config", {}) or {})
         gone = [n for n in self.slot_of if n not in present]
         if gone:  # removed from peft: the slot is free once no request will run it again
-            keep = running | live()
+            keep = running() | live()
             for name in gone:
                 if name not in keep:
                     del self.slot_of[name]
@@ -194,7 +198,7 @@ class LoraSlots:
         for name in names:
             slot = self.slot_of.pop(name, None)
             if slot is None or (name in present and self._replaced(name)):
-                slot = self._load(name, slot, names | running, present)
+                slot = self._load(name, slot, names | running(), present)
             self.slot_of[name] = slot  # most recently used last
             out[name] = slot
         return out
@@ -210,7 +214,9 @@ class LoraSlots:
         if probe is None:
             return False  # it targets no layer: nothing to compare (its slot is all zeros)
         layer, module = probe
-        return layer.lora_A[name] is not module if name in layer.lora_A else True
+        # the ModuleDict's own dict: its __contains__ / __getitem__ cost ~1 us each, every
+        # adapter of every step
+        return layer.lora_A._modules.get(name) is not module
 
     def _load(self, name: str, slot: int | None, keep: set[str], present: set[str]) -> int:
         if slot is None:

@@ -137,10 +137,12 @@ def prepare_inputs(
 def _lora_slots(rows: np.ndarray, num_sched: np.ndarray, ib: InputBatch) -> np.ndarray:
     """Each token's adapter slot, the step's adapters copied into slots where they are not
     (hf_paged.lora.routing.LoraRouting.slots_for)."""
-    names = [ib.adapter[row] for row in rows.tolist()]
-    used = {n for n in names if n is not None}
+    names = list(map(ib.adapter.__getitem__, rows.tolist()))  # (C-level loops: every step)
+    used = set(names)
+    used.discard(None)
     slot_of = ib.lora.slots_for(used) if used else {}
-    seq_slots = np.array([-1 if n is None else slot_of[n] for n in names], dtype=np.int32)
+    slot_of[None] = -1
+    seq_slots = np.fromiter(map(slot_of.__getitem__, names), dtype=np.int32, count=len(names))
     return np.repeat(seq_slots, num_sched)
 
 
