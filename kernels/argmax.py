@@ -59,6 +59,7 @@ def _argmax_rows_kernel(
     slot_map_ptr,
     table_ptr,  # int32 [M, W] block table rows
     sent_ptr,  # int64 [M]: the positions the host last sent
+    ids_ptr,  # IDS: int64 [M] the rows' input tokens
     bits_ptr,  # ALLOWED: int32 [M, ceil(V / 32)] bitmask rows, a bit a token
     on_ptr,  # ALLOWED_ROWS: int32 [M], nonzero where the row's bitmask applies
     V,
@@ -73,6 +74,7 @@ def _argmax_rows_kernel(
     SCATTER: tl.constexpr,
     HOST: tl.constexpr,
     ADVANCE: tl.constexpr,
+    IDS: tl.constexpr,
     PAGE: tl.constexpr,
     PDL: tl.constexpr,
     ALLOWED: tl.constexpr,
@@ -140,6 +142,8 @@ def _argmax_rows_kernel(
         tl.store(pos_ptr + row, nxt, mask=real)
         tl.store(seq_ptr + row, (nxt + 1).to(tl.int32), mask=real)
         tl.store(slot_map_ptr + row, block.to(tl.int64) * PAGE + nxt % PAGE, mask=real)
+        if IDS:
+            tl.store(ids_ptr + row, token, mask=real)
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,9 @@ class DecodeAdvance:
     each real row (rows[i] >= 0), so the next step of the same rows needs no copy from the
     host (hf_paged/worker/cuda_graphs.py): positions += 1, seq_lens += 1, slot_mapping from the
     block table at the new position. The host landing row then alternates from the host's slot with
-    every step since the host last sent positions (sent_positions)."""
+    every step since the host last sent positions (sent_positions). input_ids: also the row's
+    input token, set to the token drawn, so a row whose token came from the host (not read from
+    the scattered tokens) feeds the drawn one to the next step too."""
 
     positions: torch.Tensor  # int64 [M]
     seq_lens: torch.Tensor  # int32 [M]
@@ -156,6 +162,7 @@ class DecodeAdvance:
     block_table: torch.Tensor  # int32 [M, W]
     sent_positions: torch.Tensor  # int64 [M]
     page_size: int
+    input_ids: torch.Tensor | None = None  # int64 [M]
 
 
 def _check_advance(adv, m: int, device: torch.device) -> None:
@@ -165,6 +172,8 @@ def _check_advance(adv, m: int, device: torch.device) -> None:
     _check_index("advance.slot_mapping", adv.slot_mapping, m, device)
     _check_index("advance.sent_positions", adv.sent_positions, m, device)
     _check_index("advance.seq_lens", adv.seq_lens, m, device, torch.int32)
+    if adv.input_ids is not None:
+        _check_index("advance.input_ids", adv.input_ids, m, device)
     t = adv.block_table
     if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != m or t.stride(1) != 1:
         raise ValueError(f"advance.block_table must be int32 [{m}, W], got {t.dtype}")
@@ -273,6 +282,7 @@ def argmax_rows(
     if m == 0:
         return out
     pdl = pdl and pdl_available(x.device)
+    ids = advance.input_ids if advance is not None else None
     block = min(next_power_of_2(v), _MAX_BLOCK)
     _argmax_rows_kernel[(m,)](
         x,
@@ -286,6 +296,7 @@ def argmax_rows(
         advance.slot_mapping if advance is not None else out,
         advance.block_table if advance is not None else out,
         advance.sent_positions if advance is not None else out,
+        ids if ids is not None else out,
         bits if allowed is not None else out,
         on if allowed is not None and on is not None else out,
         v,
@@ -300,6 +311,7 @@ def argmax_rows(
         SCATTER=scatter is not None,
         HOST=host is not None,
         ADVANCE=advance is not None,
+        IDS=ids is not None,
         PAGE=advance.page_size if advance is not None else 1,
         PDL=pdl,
         ALLOWED=allowed is not None,

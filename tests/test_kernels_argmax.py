@@ -239,6 +239,27 @@ def test_argmax_rows_advance_moves_real_rows_on_a_token():
     assert buf[0].tolist() == [want[0], -7, want[2]]
 
 
+def test_argmax_rows_advance_sets_the_real_rows_input_tokens():
+    # advance.input_ids: each real row's input token becomes the token drawn (a row that fed a
+    # token from the host feeds the drawn one next); padding keeps its own
+    import dataclasses
+
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    ids = torch.tensor([40, 41, 42])
+    adv = dataclasses.replace(_advance(), input_ids=ids)
+    dst, buf = torch.zeros(8, dtype=torch.int64), torch.zeros((2, 3), dtype=torch.int64)
+    argmax_rows(
+        x, scatter=(dst, torch.tensor([2, -1, 6])), host=(buf, torch.tensor([0])), advance=adv
+    )
+    want = x.argmax(dim=-1)
+    assert ids.tolist() == [want[0], 41, want[2]]
+    with pytest.raises(ValueError, match=r"advance.input_ids must be int64 \[3\]"):
+        bad = dataclasses.replace(_advance(), input_ids=ids.int())
+        argmax_rows(
+            x, scatter=(dst, torch.tensor([2, -1, 6])), host=(buf, torch.tensor([0])), advance=bad
+        )
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

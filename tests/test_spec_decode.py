@@ -233,6 +233,46 @@ def test_draft_chain_replays_its_decode_graph(tiny_model, lengths, budget):
     assert bool(cuts) == (budget is not None)
 
 
+def test_draft_runs_from_its_catch_up_after_a_rejection(tiny_model):
+    """After a verify step that rejected a proposal, the draft's catch-up is a decode step of a
+    token a request (the target's token): its graph replay starts the run itself (the replay
+    writes each row's drawn token into the graph's input ids, so a row fed from the host feeds
+    the drawn token next). The proposals, step by step, equal those of the draft run without
+    graphs, and the tokens those without speculation."""
+    target = tiny_model("llama")
+    prompts = _prompts([9, 30])
+    opts = dict(attention_backend="triton", block_size=8)
+    ref = _reference(target, prompts, 12, **opts)
+
+    def run(draft_graphs):
+        draft = tiny_model("llama")
+        with torch.no_grad():  # a draft close to the target: some proposals rejected
+            w = draft.get_output_embeddings().weight
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.3 * w.std())
+        engine = Engine(target, draft_model=draft, **opts, **dict(FIXED, num_speculative_tokens=4))
+        runs = _draft_graphs(engine) if draft_graphs else None
+        spec, proposed = engine.runner.spec, []
+        record = spec.record
+
+        def watch(scheduled, accepted):
+            proposed.append({r: list(scheduled[r]) for r in sorted(accepted)})
+            record(scheduled, accepted)
+
+        spec.record = watch
+        got, _ = _outputs(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+        rate = engine.stats()["spec_acceptance_rate"]
+        engine.shutdown()
+        return got, proposed, runs, rate
+
+    got, proposed, runs, rate = run(True)
+    plain_got, plain_proposed, _, _ = run(False)
+    assert got == plain_got == ref
+    assert proposed == plain_proposed and 0 < rate < 1
+    # d_1 .. d_4 from a run replaying the catch-up's graph (4 rows), and runs from the first
+    # decode step (3 rows) after the verify steps that accepted everything
+    assert {r.shape[0] for r in runs if r is not None} == {3, 4}
+
+
 def test_draft_equal_to_target_accepts_everything(tiny_model):
     target = tiny_model("llama")
     prompts = _prompts([9, 33, 17])

@@ -17,7 +17,10 @@ All k are queued without a wait between them (each reads the token drawn before 
 device, as asynchronous scheduling does); the host reads the proposals once, after the last.
 Where every request proposes k, d_3 .. d_k replay the decode graph of d_2's step again with no
 host work between (its inputs move themselves on): preparing a step on the host took longer
-than the draft's forward (~0.65 ms against ~0.37 ms, SmolLM2-135M shape, H200). Such a chain
+than the draft's forward (~0.65 ms against ~0.37 ms, SmolLM2-135M shape, H200). Where the
+catch-up itself is a decode step of exactly those requests (a token each: after a verify step
+that rejected a proposal), d_2 .. d_k replay the catch-up's graph, with no d_2 step prepared
+on the host. Such a chain
 also leaves its proposals in the target runner's last_tokens, past its rows
 (step_inputs.DeviceProposals): the target's verify step reads them there, so the host prepares
 and launches it while the draft still runs, and reads the proposals only after that.
@@ -173,28 +176,38 @@ class DraftProposer:
                     decode.num_tokens.append(known + j)
                     decode.block_ids.append(block_ids)
             chain.append(decode)
-        # every proposing request goes on to the last step: the rest of the chain may replay
-        # the first decode step's graph with no host work between (queue_decode_run)
-        as_run = len(chain) > 2 and len(chain[-1]) == len(want)
-        entries = None  # the target's entries for the chain's tokens, [k, requests]
+        # Every proposing request goes on to the last step: the rest of the chain may replay a
+        # decode step's graph with no host work between (queue_decode_run), from the catch-up
+        # itself where that is a decode step of exactly the proposing requests (a token each:
+        # the usual step after a verify that rejected a proposal), else from the first decode
+        # step, d_1 then taken from the catch-up's tokens.
+        k, num = len(chain), len(want)
+        as_run = k > 1 and len(chain[-1]) == num
+        one_each = catch_up.req_ids == list(want) and sum(catch_up.num_scheduled_tokens) == num
+        first = 0 if as_run and one_each else 1  # the chain step the run starts from
+        entries = self._entries(k, num) if as_run else None  # the target's, [k, requests]
         for j, scheduled in enumerate(chain):
             pending = self.runner.execute(scheduled, async_output=True)
-            if j == 0 and as_run:
-                entries = self._first_entries(pending, len(chain), len(want))
-            if j == 1 and as_run:
-                out = entries[1:] if entries is not None else None
-                run = queue_decode_run(self.runner, pending, len(chain) - 2, out)
-                if run is not None:
-                    # read later (land()): every proposing request samples d_1 in the
-                    # catch-up (it feeds its newest token) and d_2 .. d_k in the decode steps
-                    proposals = {rid: [-1] * len(chain) for rid in scheduled.req_ids}
-                    device = None
-                    if entries is not None:
-                        columns = {rid: c for c, rid in enumerate(scheduled.req_ids)}
-                        device = DeviceProposals(self.first_entry, len(want), columns)
-                    self._unread = (catch_up, before[1], scheduled, run, proposals, device)
-                    before = None
-                    break
+            run = None
+            if as_run and j == first:
+                out = entries[j:] if entries is not None else None
+                run = queue_decode_run(self.runner, pending, k - 1 - j, out)
+            if run is not None:
+                # read later (land()): d_1 from the catch-up where the run starts after it,
+                # the rest from the run
+                proposals = {rid: [-1] * k for rid in scheduled.req_ids}
+                device = None
+                if entries is not None:
+                    columns = {rid: c for c, rid in enumerate(scheduled.req_ids)}
+                    device = DeviceProposals(self.first_entry, num, columns)
+                catch_up_out = before[1] if before is not None else None
+                self._unread = (catch_up, catch_up_out, scheduled, run, proposals, device)
+                before = None
+                break
+            if as_run and j == 0:
+                first = 1 if k > 2 else -1  # (a run from the catch-up did not start)
+                if first == 1 and not self._hold_first(entries, pending, num):
+                    entries = None
             if before is not None:
                 read(*before)
             before = (scheduled, pending)
@@ -204,19 +217,22 @@ class DraftProposer:
             self.fed[rid] = (want[rid][1], len(tokens))
         return proposals
 
-    def _first_entries(self, catch_up, k: int, num_requests: int) -> torch.Tensor | None:
+    def _entries(self, k: int, num_requests: int) -> torch.Tensor | None:
         """The target's entries for a chain of k tokens of num_requests requests, [k, requests]
-        (contiguous), with d_1 (the catch-up's tokens: the proposing requests sample there, in
-        the decode steps' order) copied into row 0 now, before the decode step's graph
-        overwrites them. None where the entries cannot hold the chain."""
+        (contiguous), or None where they cannot hold the chain."""
+        if self.entries is None or k * num_requests > self.entries.numel():
+            return None
+        return self.entries[: k * num_requests].view(k, num_requests)
+
+    def _hold_first(self, entries, catch_up, num_requests: int) -> bool:
+        """Copy d_1 (the catch-up's tokens: the proposing requests sample there, in the decode
+        steps' order) into row 0 of the entries now, before the decode step's graph overwrites
+        them. False where it cannot."""
         tokens = catch_up.device_tokens
-        if self.entries is None or tokens is None or len(tokens) != num_requests:
-            return None
-        if k * num_requests > self.entries.numel():
-            return None
-        entries = self.entries[: k * num_requests].view(k, num_requests)
+        if entries is None or tokens is None or len(tokens) != num_requests:
+            return False
         entries[0].copy_(tokens)
-        return entries
+        return True
 
     def device_proposals(self) -> DeviceProposals | None:
         """Where the proposals of the chain queued last, not read yet, are on the device."""
@@ -231,13 +247,15 @@ class DraftProposer:
         if unread is None:
             return None
         catch_up, pending, decodes, run, proposals, _ = unread
-        out = self.runner.finish_async(pending)
-        for rid, t in zip(catch_up.req_ids, out.sampled_token_ids):
-            if rid in proposals:
-                if t < 0:  # propose() handed out k places for it: it must have sampled
-                    raise RuntimeError(f"draft catch-up sampled nothing for {rid}")
-                proposals[rid][0] = t
-        for j, tokens in enumerate(finish_decode_run(self.runner, run).tolist(), start=1):
+        if pending is not None:  # the run started after the catch-up: d_1 is the catch-up's
+            out = self.runner.finish_async(pending)
+            for rid, t in zip(catch_up.req_ids, out.sampled_token_ids):
+                if rid in proposals:
+                    if t < 0:  # propose() handed out k places for it: it must have sampled
+                        raise RuntimeError(f"draft catch-up sampled nothing for {rid}")
+                    proposals[rid][0] = t
+        start = 1 if pending is not None else 0
+        for j, tokens in enumerate(finish_decode_run(self.runner, run).tolist(), start=start):
             for rid, t in zip(decodes.req_ids, tokens):
                 proposals[rid][j] = t
         return proposals

@@ -228,7 +228,7 @@ class CudaGraphRunner:
         if self._advances(size):
             advance = DecodeAdvance(
                 v["positions"], v["seq_lens"], v["slot_mapping"], v["block_table"],
-                v["sent_pos"], self.runner.block_size,
+                v["sent_pos"], self.runner.block_size, v["input_ids"],
             )  # fmt: skip
         return argmax_rows(
             logits,

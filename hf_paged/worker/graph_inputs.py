@@ -161,14 +161,11 @@ class PackedGraphInputs:
             self.sends_skipped += 1
         else:
             self.send(step, key, len(step.rows), table, host_slot=host_slot)
-        # what the replay leaves in the packed inputs; only when every row reads its input token
-        # from the device (pending): a row sent with its token from the host (the prompt's last
-        # token after a prefix-cache hit) keeps reading that token, however far the replay moves
-        # its positions on
-        if advances and step.pending is not None and bool(step.pending.all()):
-            self._held = _Held(step.rows.copy(), step.positions + 1, table)
-        elif advances:
-            self._held = None
+        # what the replay leaves in the packed inputs: each row's input token is the greedy token
+        # it drew (the advance writes it into input_ids, and last_tokens has it too)
+        if advances:
+            from_device = step.pending is not None and bool(step.pending.all())
+            self._held = _Held(step.rows.copy(), step.positions + 1, table, from_device)
 
     def holds_run(self, step, n: int) -> bool:
         """True when the decode replay of `step` just left its inputs moved on (every input
@@ -189,13 +186,16 @@ class PackedGraphInputs:
     def _device_holds(self, step, table: np.ndarray) -> bool:
         """True when the packed inputs on the device, as the last decode replay moved them on,
         are this decode step's: the same rows (so the same graph), every input a token sampled
-        on the device (pending), the positions one further, and the same block table (`table`,
-        the step's rows and used columns) whose columns already hold the new positions (so the
-        device's slots are the host's). Any send since that replay (another graph's inputs
-        share the buffer) has cleared what it held."""
+        on the device (pending) in that replay's step and in this one, the positions one
+        further, and the same block table (`table`, the step's rows and used columns) whose
+        columns already hold the new positions (so the device's slots are the host's). Any
+        send since that replay (another graph's inputs share the buffer) has cleared what it
+        held. (A row whose token came from the host holds the greedy token it drew, which a
+        sampler may have replaced in last_tokens since: such a step is sent.)"""
         held = self._held
         return (
             held is not None
+            and held.from_device
             and step.pending is not None
             and bool(step.pending.all())
             and np.array_equal(step.rows, held.rows)
@@ -265,3 +265,5 @@ class _Held:
     rows: np.ndarray  # InputBatch rows, in order
     positions: np.ndarray  # the positions the next step must have
     table: np.ndarray  # the block table rows (used columns) the device holds
+    # every row of the replayed step read its input token on the device (pending)
+    from_device: bool
