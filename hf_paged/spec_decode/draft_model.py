@@ -20,10 +20,9 @@ host work between (its inputs move themselves on): preparing a step on the host 
 than the draft's forward (~0.65 ms against ~0.37 ms, SmolLM2-135M shape, H200). Where the
 catch-up itself is a decode step of exactly those requests (a token each: after a verify step
 that rejected a proposal), d_2 .. d_k replay the catch-up's graph, with no d_2 step prepared
-on the host. Such a chain
-also leaves its proposals in the target runner's last_tokens, past its rows
-(step_inputs.DeviceProposals): the target's verify step reads them there, so the host prepares
-and launches it while the draft still runs, and reads the proposals only after that.
+on the host. Such a chain also leaves its proposals in the target runner's last_tokens, past
+its rows (step_inputs.DeviceProposals): the target's verify step reads them there, so the host
+prepares and launches it while the draft still runs, and reads the proposals only after that.
 The draft's KV for d_1 .. d_{k-1} is valid as far as the target accepts them (on_verified);
 past that the next catch-up rewrites it.
 
