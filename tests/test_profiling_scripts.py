@@ -41,6 +41,19 @@ def test_gpu_scripts_parse_their_flags(script):
             assert flag in text
 
 
+def test_kernel_sass_compiles_a_kernel_for_the_h200_without_a_gpu():
+    script = str(PROFILING / "kernel_sass.py")
+    text = _run(script, "fp8_gemv:_fp8_gemv_reduce_kernel", "--const", "BLOCK=1024",
+                "HAS_BIAS=False", "--type", "part_ptr=*fp32")  # fmt: skip
+    assert "for sm_90" in text and "'REG':" in text
+    assert "'LDG.E':" in text and "FADD" in text  # the float32 partial sums' loads and adds
+    out = subprocess.run(
+        [sys.executable, script, "fp8_gemv:_fp8_gemv_reduce_kernel", "--const", "BLOCK=1024"],
+        capture_output=True, text=True, timeout=300, cwd=PROFILING,
+    )  # fmt: skip
+    assert out.returncode != 0 and "missing ['HAS_BIAS']" in out.stderr
+
+
 def test_host_overhead_measures_each_phase_on_the_cpu():
     # (with two LoRA adapters over the requests: the engine's multi-LoRA step on the host)
     args = ("--running", "4", "--steps", "3", "--adapters", "2")
