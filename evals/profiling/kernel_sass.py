@@ -23,18 +23,20 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
-import os
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+# Set through Triton's knobs, over whatever the environment says, before any kernel module is
+# imported: kernels compiled, not interpreted (tests set TRITON_INTERPRET=1 on CPU machines),
+# and fused multiply-adds on, as Triton's default launch has them.
+triton.knobs.runtime.interpret = False
+triton.knobs.language.default_fp_fusion = True
 
 H200 = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
