@@ -4,6 +4,7 @@ their shared set-up, parse one CLI style, and host_overhead.py measures on the C
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ import pytest
 PROFILING = Path(__file__).resolve().parents[1] / "evals" / "profiling"
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, env: dict[str, str] | None = None) -> str:
     out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=PROFILING
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=PROFILING, env=env
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
@@ -43,15 +44,22 @@ def test_gpu_scripts_parse_their_flags(script):
 
 def test_kernel_sass_compiles_a_kernel_for_the_h200_without_a_gpu():
     script = str(PROFILING / "kernel_sass.py")
+    # compiled, not interpreted: the tests' TRITON_INTERPRET=1 left out, and refused when set
+    compiled = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     text = _run(script, "fp8_gemv:_fp8_gemv_reduce_kernel", "--const", "BLOCK=1024",
-                "HAS_BIAS=False", "--type", "part_ptr=*fp32")  # fmt: skip
+                "HAS_BIAS=False", "--type", "part_ptr=*fp32", env=compiled)  # fmt: skip
     assert "for sm_90" in text and "'REG':" in text
     assert "'LDG.E':" in text and "FADD" in text  # the float32 partial sums' loads and adds
     out = subprocess.run(
         [sys.executable, script, "fp8_gemv:_fp8_gemv_reduce_kernel", "--const", "BLOCK=1024"],
-        capture_output=True, text=True, timeout=300, cwd=PROFILING,
+        capture_output=True, text=True, timeout=300, cwd=PROFILING, env=compiled,
     )  # fmt: skip
     assert out.returncode != 0 and "missing ['HAS_BIAS']" in out.stderr
+    out = subprocess.run(
+        [sys.executable, script, "fp8_gemv:_fp8_gemv_reduce_kernel"], capture_output=True,
+        text=True, timeout=300, cwd=PROFILING, env={**compiled, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert out.returncode != 0 and "without TRITON_INTERPRET=1" in out.stderr
 
 
 def test_host_overhead_measures_each_phase_on_the_cpu():

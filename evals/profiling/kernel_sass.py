@@ -32,11 +32,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-# Set through Triton's knobs, over whatever the environment says, before any kernel module is
-# imported: kernels compiled, not interpreted (tests set TRITON_INTERPRET=1 on CPU machines),
-# and fused multiply-adds on, as Triton's default launch has them.
-triton.knobs.runtime.interpret = False
-triton.knobs.language.default_fp_fusion = True
+if triton.knobs.runtime.interpret:  # triton.language was built for the interpreter at import
+    raise SystemExit(
+        "kernel_sass.py compiles kernels for the GPU: run it without TRITON_INTERPRET=1"
+    )
+triton.knobs.language.default_fp_fusion = True  # as Triton's default launch has it, stated
 
 H200 = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
