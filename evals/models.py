@@ -179,7 +179,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_random_model(shape: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_random_model(
+    shape: str, dtype: torch.dtype, device: torch.device, layers: int | None = None
+) -> torch.nn.Module:
+    """A model of a named shape with random weights; layers: fewer decoder layers than the
+    shape's (the profiling scripts' CPU smoke runs: the per-layer work is the same)."""
     from transformers import (
         AutoModelForCausalLM,
         Gemma2Config,
@@ -192,6 +196,8 @@ def build_random_model(shape: str, dtype: torch.dtype, device: torch.device) -> 
     kwargs = dict(SHAPES[shape])
     arch = kwargs.pop("arch")
     rope_theta = kwargs.pop("rope_theta")
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
     config_cls = {
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,

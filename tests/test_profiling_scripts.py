@@ -106,6 +106,7 @@ def test_lora_bench_alternates_the_base_and_the_adapters_engines_on_the_cpu(tmp_
     requests = [{"prompt_token_ids": [5 + i] * 8, "max_new_tokens": 2} for i in range(2)]
     workload.write_text(json.dumps({"requests": requests}))
     args = ["--device", "cpu", "--dtype", "float32", "--shape", "smollm2-135m", "--compile", "0"]
+    args += ["--layers", "2"]  # (the shape's 30 took ~15 s of building and forwards)
     args += ["--workload", str(workload), "--rounds", "2", "--hf-batch", "0"]
     args += ["--adapters", "2", "--rank", "4"]
     text = _run(str(PROFILING / "lora_bench.py"), *args)

@@ -40,10 +40,12 @@ PEAK_FLOPS = roofline.H200.flops
 SHAPES = tuple(models.SHAPES)  # --shape: model shapes built with random weights
 
 
-def build_model(shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda"):
+def build_model(
+    shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", layers: int | None = None
+):
     """A model of a named shape (evals/models.py) with random weights: speed does not depend on
-    weight values."""
-    return models.build_random_model(shape, dtype, torch.device(device))
+    weight values. layers: fewer decoder layers (CPU smoke runs)."""
+    return models.build_random_model(shape, dtype, torch.device(device), layers)
 
 
 def host_model(vocab_size: int) -> torch.nn.Module:

@@ -185,6 +185,9 @@ def main() -> None:
         "--profile", action="store_true", help="one more pass of each batched run, profiled"
     )
     parser.add_argument("--hf-requests", type=int, default=128, help="requests run by peft")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="fewer decoder layers than the shape's (smoke)"
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add_engine_options(parser)
@@ -193,7 +196,7 @@ def main() -> None:
     global PASSES, PROFILE
     PASSES = max(1, args.passes)
     PROFILE = args.profile and args.device == "cuda"
-    model = build_model(args.shape, getattr(torch, args.dtype), args.device)
+    model = build_model(args.shape, getattr(torch, args.dtype), args.device, args.layers)
     # batch 1 reads the linear layers' weights once a token (the embedding table: one row)
     weight_bytes = roofline.model_costs(model).weight_bytes
     vocab = model.config.vocab_size
@@ -207,7 +210,8 @@ def main() -> None:
     one = [torch.randint(3, vocab, (128,), generator=torch.Generator().manual_seed(1)).tolist()]
     n, new = len(prompts), args.new_tokens
     print(
-        f"{args.shape} {args.dtype} {args.device} ({describe_device(args.device)}): "
+        f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''} {args.dtype} "
+        f"{args.device} ({describe_device(args.device)}): "
         f"{wl.summary()}; rank {args.rank} on {len(PROJECTIONS)} projections, options {opts}",
         flush=True,
     )
@@ -273,8 +277,10 @@ def interleaved(args, opts: dict, prompts, lengths) -> None:
     # gpu_memory_utilization counts the whole process's memory: the second engine's share is
     # on top of the first's
     first = {**opts, "gpu_memory_utilization": args.memory_share}
-    base_eng = Engine(build_model(args.shape, dtype, args.device), **first)
-    peft = add_adapters(build_model(args.shape, dtype, args.device), args.adapters, args.rank)
+    base_eng = Engine(build_model(args.shape, dtype, args.device, args.layers), **first)
+    peft = add_adapters(
+        build_model(args.shape, dtype, args.device, args.layers), args.adapters, args.rank
+    )
     second = {**first, "gpu_memory_utilization": min(0.9, 2 * args.memory_share)}
     lora_eng = Engine(peft, **{"max_loras": max(8, args.adapters), **second})
     spread = [f"a{i % args.adapters}" for i in range(n)]
