@@ -33,7 +33,7 @@ from .fused_gemv import (
 )
 from .gemv_tiles import ELEMS_PER_THREAD, MAX_WARPS, fp8_tile_config
 from .host_math import next_power_of_2
-from .kv_write import check_kv_cache_pair, check_launchable
+from .kv_write import check_kv_cache_pair, check_launchable, interpreting
 from .lora_epilogue import (
     LoraEpilogue,
     lora_launch_args,
@@ -261,6 +261,7 @@ def norm_qkv_rope(
     weight_scale: torch.Tensor | None = None,  # FP8 weight: float32 [N, ceil(K / 128)]
     pdl: bool = False,
     lora: LoraEpilogue | None = None,  # q/k/v's deltas: 3 slices, s of x * norm_weight
+    config: dict | None = None,  # the tile (PAIRS, num_warps): qkv_rope_config's by default
 ) -> torch.Tensor:  # rotated queries [T, Hq, D]
     """norm_qkv_rope_ref by one Triton launch, for at most MAX_ROWS tokens."""
     check_kv_cache_pair(key_cache, value_cache)
@@ -292,7 +293,7 @@ def norm_qkv_rope(
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.shape != (t,) or idx.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [{t}], got {idx.dtype} {list(idx.shape)}")
-    cfg = qkv_rope_config(k, half, weight.element_size())
+    cfg = dict(config) if config is not None else qkv_rope_config(k, half, weight.element_size())
     if cfg is None:
         raise ValueError(f"in_features {k}: the weight tile does not fit in registers")
     check_launchable(x, "x")
@@ -307,6 +308,12 @@ def norm_qkv_rope(
     if t == 0:
         return q
     pairs = cfg.pop("PAIRS")
+    if interpreting() and config is None:
+        # the CPU interpreter runs programs one after another, each as numpy arrays: one program
+        # a head instead of one per two pairs (same results; tile shapes only matter on a GPU)
+        pairs = half
+    if half % pairs:
+        raise ValueError(f"config: PAIRS {pairs} must divide head_dim / 2 ({half})")
     if pdl:
         cfg["launch_pdl"] = True
     _norm_qkv_rope_kernel[(n // 2 // pairs,)](
