@@ -76,13 +76,14 @@ def write_kv_ref(
         flat.index_copy_(0, slots, rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # it varies step to step
 def _write_kv_kernel(
     key_ptr,  # [T, Hkv, D]
     value_ptr,  # [T, Hkv, D]
     key_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
     value_cache_ptr,  # [num_blocks, PAGE_SIZE, Hkv, D]
     slot_mapping_ptr,  # int64 [T]
+    num_tokens,
     num_kv_heads,
     stride_k_t,
     stride_k_h,
@@ -103,36 +104,37 @@ def _write_kv_kernel(
     k_inv_scale,  # FP8 only: 1 / k_scale
     v_inv_scale,
     FP8_MAX: tl.constexpr,  # > 0: an FP8 cache, stored scaled and saturated
+    BLOCK_T: tl.constexpr,  # tokens a program: 1 on a GPU (write_kv)
 ):
-    # One program = one token x BLOCK_H kv heads: a [BLOCK_H, D] tile, one contiguous row per head.
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token)  # int64 scalar
-    if slot < 0:
-        return
+    # One program = BLOCK_T tokens x BLOCK_H kv heads: [BLOCK_T, BLOCK_H, D] tiles, one
+    # contiguous row per token and head. Padding tokens (slot -1) load and store nothing.
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
     # int64 throughout: block_id * block stride exceeds 2^31 elements on large caches.
-    block_id = slot // PAGE_SIZE
-    block_off = slot % PAGE_SIZE
+    block_id = (slot // PAGE_SIZE)[:, None, None]
+    block_off = (slot % PAGE_SIZE)[:, None, None]
+    tok = offs_t[:, None, None]
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    offs_h64 = offs_h.to(tl.int64)[:, None]
+    offs_h64 = offs_h.to(tl.int64)[None, :, None]
+    rows = ((slot >= 0)[:, None] & (offs_h < num_kv_heads)[None, :])[:, :, None]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)[None, None, :]
+    mask = rows & (offs_d < HEAD_DIM)
 
-    k = tl.load(key_ptr + token * stride_k_t + offs_h64 * stride_k_h + offs_d[None, :], mask=mask)
+    k = tl.load(key_ptr + tok * stride_k_t + offs_h64 * stride_k_h + offs_d, mask=mask)
     if HEAD_DIM_V == HEAD_DIM:
         offs_dv = offs_d
         mask_v = mask
     else:
-        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-        mask_v = (offs_h < num_kv_heads)[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
-    v_ptrs = value_ptr + token * stride_v_t + offs_h64 * stride_v_h + offs_dv[None, :]
-    v = tl.load(v_ptrs, mask=mask_v)
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)[None, None, :]
+        mask_v = rows & (offs_dv < HEAD_DIM_V)
+    v = tl.load(value_ptr + tok * stride_v_t + offs_h64 * stride_v_h + offs_dv, mask=mask_v)
     kc = key_cache_ptr + block_id * stride_kc_b + block_off * stride_kc_s + offs_h64 * stride_kc_h
     vc = value_cache_ptr + block_id * stride_vc_b + block_off * stride_vc_s + offs_h64 * stride_vc_h
     if FP8_MAX > 0:
         k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
         v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
-    tl.store(kc + offs_d[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + offs_dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(kc + offs_d, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + offs_dv, v.to(value_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
 def check_kv_cache_pair(
@@ -205,6 +207,13 @@ def _check_kv_write_args(key, value, key_cache, value_cache, slot_mapping) -> No
     check_launchable(key, "key")
 
 
+def tokens_per_program(num_tokens: int) -> int:
+    """The KV write's tokens a program: one on a GPU, where programs run side by side; many
+    under the CPU interpreter, which runs programs one after another, each as numpy arrays
+    (same results)."""
+    return min(64, next_power_of_2(num_tokens)) if interpreting() else 1
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, Dk]
     value: torch.Tensor,  # [T, Hkv, Dv]
@@ -243,13 +252,15 @@ def write_kv(
     # ~4K elements per program: one or a few 16-byte vectors per thread, enough bytes in flight.
     widest = max(head_dim_pad, next_power_of_2(head_dim_v))
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // widest))
-    grid = (num_tokens, cdiv(num_kv_heads, block_h))
+    block_t = tokens_per_program(num_tokens)
+    grid = (cdiv(num_tokens, block_t), cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         key,
         value,
         key_cache,
         value_cache,
         slot_mapping,
+        num_tokens,
         num_kv_heads,
         key.stride(0),
         key.stride(1),
@@ -270,5 +281,6 @@ def write_kv(
         k_inv_scale=1.0 / k_scale,
         v_inv_scale=1.0 / v_scale,
         FP8_MAX=fp8_max,
+        BLOCK_T=block_t,
         num_warps=4,
     )

@@ -65,6 +65,16 @@ def test_matches_ref(dtype, num_kv_heads, head_dim, block_size):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
+def test_one_token_a_program_as_on_a_gpu(monkeypatch):
+    # the interpreter writes many tokens a program, a GPU one: that tile here too
+    monkeypatch.setattr(kv_write_mod, "tokens_per_program", lambda num_tokens: 1)
+    key, value, kc, vc, slots = _case(11, 3, 80, 4, 16, torch.float32, torch.float32)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv(key, value, kc, vc, slots)
+    write_kv_ref(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
 def test_slot_minus_one_writes_nothing():
     key, value, kc, vc, slots = _case(8, 2, 64, 2, 16, torch.float32, torch.float32, pad_every=0)
     slots[:] = -1
