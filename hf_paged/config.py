@@ -68,7 +68,11 @@ class EngineConfig:
     # (Llama, Mistral, Qwen2 with fused projections and the Triton attention backend; others run
     # transformers' forward). 0: off. H200, 1.1B shape, 2026-11-29, decode ms/step fused vs
     # transformers' forward: batch 1 0.96 vs 1.38, 2: 1.34 vs 1.40, 4: 1.92 vs 1.41, 8: 3.12 vs
-    # 1.44 (the GEMV kernel walks the rows one by one), hence 2.
+    # 1.44, when every GEMV walked the rows one by one. Steps of 3+ rows now take tensor cores
+    # (kernels/fused_gemm_rows.py): H100, Llama-3-8B shape, 6 rows, the products of a layer
+    # 185 us against 383 row by row and 170 for cuBLAS's (which leave the norms, gate and
+    # residual to further kernels); a 6-token speculative verify step through it gains nothing
+    # measurable (1.75x against 1.73x, evals/RESULTS.md). Hence still 2.
     small_batch_rows: int = 2
     # At start-up, one short paged forward (two prompts, then a decode step) against
     # transformers' own forward; a mismatch beyond the dtype's rounding, or a forward that

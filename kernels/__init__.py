@@ -11,7 +11,8 @@ the kernels are decorated).
 from .argmax import argmax_rows
 from .decode_attention import decode_attention
 from .embedding import embed_tokens, embed_tokens_ref
-from .fused_gemv import fused_gemv, fused_gemv_ref
+from .fused_gemm_rows import fused_gemm_rows
+from .fused_gemv import ROW_SERIAL_ROWS, fused_gemv, fused_gemv_ref
 from .kv_write import write_kv, write_kv_ref
 from .lora import (
     lora_expand,
@@ -27,11 +28,13 @@ from .residual_norm import residual_rms_norm, residual_rms_norm_ref
 from .rope_kv import rope_write_kv, rope_write_kv_ref
 
 __all__ = [
+    "ROW_SERIAL_ROWS",
     "LoraEpilogue",
     "argmax_rows",
     "decode_attention",
     "embed_tokens",
     "embed_tokens_ref",
+    "fused_gemm_rows",
     "fused_gemv",
     "fused_gemv_ref",
     "lora_expand",

@@ -27,7 +27,8 @@ loads are issued first, before the wait on the previous kernel. 22 layers of the
 batch 1 in one CUDA graph (norm, SiLU-mul and residual fused in; H200, 2026-11-29): 27.1 us a
 layer with PDL (77% of the H200's bandwidth), 31.9 without, against 37.5 for cuBLAS's GEMVs
 alone; a kernel walking K in tiles instead took 40 us. Rows are computed one after another: at
-4-8 rows this is slower than transformers' forward, hence small_batch_rows=2 by default.
+4-8 rows this is slower than transformers' forward, so calls of more than ROW_SERIAL_ROWS rows
+go to kernels/fused_gemm_rows.py (tensor cores), but those with FP8 weights or LoRA.
 `fused_gemv_ref` is the same computation in torch (the CPU reference the kernel is tested
 against).
 """
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_gemm_rows import fused_gemm_rows
 from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F401 (re-exported)
 from .gemv_tiles import tile_config
 from .host_math import cdiv, next_power_of_2
@@ -57,6 +59,9 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (pdl_avail
     gdc_launch_dependents = gdc_wait = None
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Up to this many rows the row-by-row kernel here; more go to the tensor-core kernel
+# (fused_gemm_rows.py) where it has the options asked for (not FP8 weights, not LoRA)
+ROW_SERIAL_ROWS = 2
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -421,6 +426,13 @@ def fused_gemv(
     check_launchable(x, "x")
     if lora is not None and lora.rms and norm_weight is None:
         raise ValueError("lora.rms (a shrink of x * norm_weight) needs norm_weight")
+    if m > ROW_SERIAL_ROWS and not scaled and lora is None and config is None:
+        # (a tile config given is this kernel's: the tests of its GPU tiles at 3+ rows)
+        return fused_gemm_rows(
+            x, weight, norm_weight=norm_weight, eps=eps, up_weight=up_weight, bias=bias,
+            residual=residual, rows=rows, norm_out=norm_out, norm_plus_one=norm_plus_one,
+            activation=activation, pdl=pdl,
+        )  # fmt: skip
     gated = up_weight is not None
     lora_args = lora_launch_args(lora, m, n, gated, rows is not None, x.device)
     y = torch.empty((m, n), dtype=dtype, device=x.device)

@@ -30,6 +30,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> str:
         "lora_bench.py",
         "lora_kernel_bench.py",
         "fp8_gemv_bench.py",
+        "gemm_rows_bench.py",
         "fp8_attention_bench.py",
         "structured_step_parts.py",
     ],

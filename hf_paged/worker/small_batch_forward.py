@@ -17,6 +17,11 @@ kernels/rope_kv.py, the paged attention kernels):
     act  = silu(RMSNorm(h) @ Wg.T) * (. @ Wu.T) fused_gemv  NORM GATED
     h    = h + act @ Wd.T                       fused_gemv  RESIDUAL
 
+Steps of more than kernels.ROW_SERIAL_ROWS (2) tokens: fused_gemv hands the products to
+kernels/fused_gemm_rows.py (tensor cores, the same fused options) and q/k/v takes two launches
+(the GEMV, then rope_write_kv), since norm_qkv_rope's and fused_gemv's own GEMVs compute the rows
+one after another; with FP8 weights or LoRA deltas the row-serial kernels stay.
+
 FP8 weights (quantization="fp8": Fp8Linear and fused projections holding float8_e4m3fn rows with
 1x128 block scales) go through the same kernels: each dequantises its weight tile in registers
 (half the bytes streamed), computing Fp8Linear's weight-only product.
@@ -152,7 +157,12 @@ class SmallBatchForward:
         group = lora.qkv if lora is not None else None
         alone = lora.qkv_alone if lora is not None else None
         norm = layer.in_norm
-        if self.cos_table is not None and not alone:  # norm + q/k/v (+ deltas) + RoPE + KV write
+        # norm + q/k/v (+ deltas) + RoPE + KV write in one launch, whose GEMV computes the rows
+        # one after another: past ROW_SERIAL_ROWS the q/k/v product goes to fused_gemv, which
+        # takes tensor cores there (but with FP8 weights or LoRA deltas, as this launch would)
+        serial = h.shape[0] <= k.ROW_SERIAL_ROWS or group is not None
+        serial = serial or _scales(layer.qkv) is not None
+        if self.cos_table is not None and not alone and serial:
             return k.norm_qkv_rope(
                 h,
                 layer.qkv.weight,
@@ -205,9 +215,9 @@ class SmallBatchForward:
         pdl = self.pdl
         h = self._embed(input_ids)
         cos = sin = None
-        if self.cos_table is None:  # per step, from the model's rotary module
-            cos, sin = self._cos_sin(h, positions)
         t = h.shape[0]
+        if self.cos_table is None or t > k.ROW_SERIAL_ROWS:  # per step, from the rotary module
+            cos, sin = self._cos_sin(h, positions)
         decode = meta.max_query_len == 1 and t == meta.num_seqs
         on = self.lora and ctx.lora_groups is not None  # else no token of the step has one
         for layer in self.layers:
