@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_math import gate_activation, rms_scale
 from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable, interpreting
 
@@ -135,11 +136,7 @@ def _fused_gemm_rows_kernel(
         x = _x_tile(x_ptr, x_rows, m_mask, stride_xm, offs_k, k_mask)
         if NORM:  # as fused_gemv (and transformers' RMSNorm modules) round
             g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            xf = x.to(tl.float32) * inv_rms[:, None]
-            if NORM_PLUS_ONE:
-                x = (xf * (1.0 + g[None, :])).to(dt)
-            else:
-                x = (g[None, :] * xf.to(dt).to(tl.float32)).to(dt)
+            x = rms_scale(x.to(tl.float32) * inv_rms[:, None], g[None, :], dt, NORM_PLUS_ONE)
             if NORM_OUT:  # every program normalised the rows: the first one writes them
                 if pid == 0:
                     no_ptrs = no_ptr + offs_m[:, None] * stride_nom + offs_k[None, :]
@@ -156,12 +153,8 @@ def _fused_gemm_rows_kernel(
         y += bias[None, :]
     if GATED:
         gate = y.to(dt).to(tl.float32)
-        if GELU_TANH:  # tanh(u) = 1 - 2 / (exp(2u) + 1): inf-safe both ways
-            u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
-        else:
-            act = gate / (1.0 + tl.exp(-gate))
-        y = act.to(dt).to(tl.float32) * acc2.to(dt).to(tl.float32)
+        act = gate_activation(gate, GELU_TANH).to(dt).to(tl.float32)
+        y = act * acc2.to(dt).to(tl.float32)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if RESIDUAL:
         res = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask,

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .fused_gemm_rows import fused_gemm_rows
 from .fused_gemv_ref import ACTIVATIONS, fused_gemv_ref, rms_norm_ref  # noqa: F401 (re-exported)
+from .gemv_math import gate_activation, rms_scale
 from .gemv_tiles import tile_config
 from .host_math import cdiv, next_power_of_2
 from .kv_write import check_launchable, interpreting
@@ -279,10 +280,7 @@ def _fused_gemv_kernel(
                 inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
                 if LORA_RMS:
                     row_scale = inv_rms
-                if NORM_PLUS_ONE:
-                    x = (x * inv_rms * (1.0 + g)).to(dt).to(tl.float32)
-                else:
-                    x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                x = rms_scale(x * inv_rms, g, dt, NORM_PLUS_ONE).to(tl.float32)
                 if NORM_OUT:  # every program normalised the row: the first one writes it
                     if pid == 0:
                         tl.store(no_ptr + m * stride_nom + offs_k, x.to(dt), mask=k_mask)
@@ -302,12 +300,7 @@ def _fused_gemv_kernel(
                 gate = y.to(dt).to(tl.float32)
                 if LORA_SLICES:
                     gate = tl.where(adapted, (gate + d).to(dt).to(tl.float32), gate)
-                if GELU_TANH:  # tanh(u) = 1 - 2 / (exp(2u) + 1): inf-safe both ways
-                    u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-                    act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
-                else:
-                    act = gate / (1.0 + tl.exp(-gate))
-                act = act.to(dt).to(tl.float32)
+                act = gate_activation(gate, GELU_TANH).to(dt).to(tl.float32)
                 up = weight_dot(w2, x, w2s, SCALED, K_PAD).to(dt).to(tl.float32)
                 if LORA_SLICES:
                     up = tl.where(adapted, (up + d2).to(dt).to(tl.float32), up)

@@ -31,6 +31,7 @@ from .fused_gemv import (
     load_weight_tile,
     weight_dot,
 )
+from .gemv_math import rms_scale
 from .gemv_tiles import ELEMS_PER_THREAD, MAX_WARPS, fp8_tile_config
 from .host_math import next_power_of_2
 from .kv_write import check_kv_cache_pair, check_launchable, interpreting
@@ -182,7 +183,7 @@ def _norm_qkv_rope_kernel(
         if m == 0 or m < M:  # M >= 1 (the host returns early on 0): row 0 needs no check
             x = x_raw.to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x = rms_scale(x * inv_rms, g, dt, False).to(tl.float32)
             y1 = weight_dot(w1, x, s1, SCALED, K_PAD)
             y2 = weight_dot(w2, x, s2, SCALED, K_PAD)
             if HAS_BIAS:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait, rms_norm_ref
+from .gemv_math import rms_scale
 from .host_math import next_power_of_2
 from .kv_write import check_launchable
 
@@ -57,10 +58,7 @@ def _residual_rms_norm_kernel(
     dt = y_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    if PLUS_ONE:
-        h = (x * inv_rms * (1.0 + g)).to(dt).to(tl.float32)
-    else:
-        h = (g * (x * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    h = rms_scale(x * inv_rms, g, dt, PLUS_ONE).to(tl.float32)
     res = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, (res + h).to(dt), mask=mask)
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import gdc_launch_dependents, gdc_wait
+from .gemv_math import rms_scale
 from .host_math import next_power_of_2
 from .kv_write import check_kv_cache_pair, check_launchable
 
@@ -76,8 +77,8 @@ def _rotate(base, cos1, cos2, sin1, sin2, offs, m, HALF: tl.constexpr, dt, nw_pt
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)
         g1 = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
         g2 = tl.load(nw_ptr + HALF + offs, mask=m, other=0.0).to(tl.float32)
-        x1 = (g1 * (x1 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (g2 * (x2 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x1 = rms_scale(x1 * inv_rms, g1, dt, False).to(tl.float32)
+        x2 = rms_scale(x2 * inv_rms, g2, dt, False).to(tl.float32)
     return rotate_halves(x1, x2, cos1, cos2, sin1, sin2, dt)
 
 
