@@ -29,6 +29,12 @@ from hf_paged.kernels.gemv_tiles import tile_config
 from hf_paged_evals.roofline import detect_hardware
 
 
+def _copies(name: str, n: int, k: int):
+    """Whether the layer is gated, its output columns, and COPIES bf16 weight copies."""
+    gated = name == "gate_up"
+    return gated, n // 2 if gated else n, [weight(n, k) for _ in range(COPIES)]
+
+
 def _calls(name, ws, m, k, n_out):
     """fused_gemv's keyword arguments for each weight copy, as the small-batch forward calls it."""
     gated = name == "gate_up"
@@ -52,9 +58,7 @@ def table(shapes, rows: list[int]) -> None:
     print("| layer | N x K | rows | tensor cores | row by row | F.linear | bound us |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, n, k in shapes:
-        gated = name == "gate_up"
-        n_out = n // 2 if gated else n
-        ws = [weight(n, k) for _ in range(COPIES)]
+        gated, n_out, ws = _copies(name, n, k)
         nbytes = n * k * 2
         serial_cfg = tile_config(k, gated, nbytes)
         for m in rows:
@@ -82,9 +86,7 @@ def sweep(shapes, m: int) -> None:
     print("| layer | N x K | rank | BLOCK_N | BLOCK_K | stages | warps | us | TB/s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, n, k in shapes:
-        gated = name == "gate_up"
-        n_out = n // 2 if gated else n
-        ws = [weight(n, k) for _ in range(COPIES)]
+        gated, n_out, ws = _copies(name, n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         args = _calls(name, ws, m, k, n_out)
         rule = gemm_rows_config(k, gated, name in ("qkv", "gate_up"))
