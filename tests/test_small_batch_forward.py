@@ -149,6 +149,45 @@ def test_rotary_tables_or_per_step_rotary(tiny_model, rope, tables):
     assert 3 in seen
 
 
+def test_steps_past_two_rows_take_the_tensor_core_products(tiny_model, monkeypatch):
+    """Steps of 1-2 tokens: norm + q/k/v + RoPE in one launch and the row-serial GEMVs; of 3+
+    tokens: the products on kernels/fused_gemm_rows.py and q/k/v as GEMV + rope_write_kv (the
+    one-launch kernel's GEMV would compute its rows one by one)."""
+    import importlib
+
+    from hf_paged import kernels
+
+    fg = importlib.import_module("hf_paged.kernels.fused_gemv")
+    one_launch, tensor_core = [], []
+    real_qkv, real_rows = kernels.norm_qkv_rope, fg.fused_gemm_rows
+    monkeypatch.setattr(
+        kernels,
+        "norm_qkv_rope",
+        lambda h, *a, **kw: one_launch.append(h.shape[0]) or real_qkv(h, *a, **kw),
+    )
+    monkeypatch.setattr(
+        fg,
+        "fused_gemm_rows",
+        lambda x, w, **kw: (
+            tensor_core.append(len(kw["rows"]) if kw.get("rows") is not None else x.shape[0])
+            or real_rows(x, w, **kw)
+        ),
+    )
+    model = tiny_model("llama", num_hidden_layers=2)
+    prompts = _prompts([5, 30, 9], seed=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = Engine(model, small_batch_rows=0, **ENGINE).generate(prompts, params)
+    eng = Engine(model, small_batch_rows=8, **ENGINE)
+    assert eng.runner.forward.small_batch.cos_table is not None  # one launch where it applies
+    seen = count_small_batch_rows(eng)
+    one_launch.clear(), tensor_core.clear()
+    got = eng.generate(prompts, params) + eng.generate(prompts[:1], params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want + want[:1]]
+    assert 3 in seen and 1 in seen
+    assert one_launch and max(one_launch) <= kernels.ROW_SERIAL_ROWS
+    assert tensor_core and min(tensor_core) > kernels.ROW_SERIAL_ROWS
+
+
 def test_small_batch_rows_bounds_the_steps_that_run_fused(tiny_model):
     model = tiny_model("llama")
     prompts = _prompts([5, 6, 7, 8])
