@@ -159,7 +159,7 @@ class SmallBatchForward:
         norm = layer.in_norm
         # norm + q/k/v (+ deltas) + RoPE + KV write in one launch, whose GEMV computes the rows
         # one after another: past ROW_SERIAL_ROWS the q/k/v product goes to fused_gemv, which
-        # takes tensor cores there (but with FP8 weights or LoRA deltas, as this launch would)
+        # takes tensor cores there, unless FP8 weights or LoRA deltas keep it row by row anyway
         serial = h.shape[0] <= k.ROW_SERIAL_ROWS or group is not None
         serial = serial or _scales(layer.qkv) is not None
         if self.cos_table is not None and not alone and serial:
