@@ -69,7 +69,20 @@ def _qkv_ptx() -> str:
     return _ptx(kernel, types, const, num_warps=4)
 
 
-_KERNELS = {"fused_gemv": _gemv_ptx, "qkv_rope": _qkv_ptx}
+def _rows_ptx() -> str:
+    kernel = importlib.import_module("hf_paged.kernels.fused_gemm_rows")._fused_gemm_rows_kernel
+    ptrs = ("x_ptr", "rows_ptr", "nw_ptr", "w_ptr", "w2_ptr", "b_ptr", "r_ptr", "y_ptr", "no_ptr")
+    types = {p: "*bf16" for p in ptrs}
+    types.update(M="i32", N="i32", eps="fp32")
+    types.update({s: "i32" for s in kernel.arg_names if s.startswith("stride")})
+    const = dict(K=4096, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NORM=True, NORM_PLUS_ONE=False,
+                 GATED=True, GELU_TANH=False, HAS_BIAS=False, RESIDUAL=False, GATHER=False,
+                 NORM_OUT=False, PDL=True, IEEE=False, UPCAST=False)  # fmt: skip
+    return _ptx(kernel, types, const, num_warps=4)
+
+
+_KERNELS = {"fused_gemv": _gemv_ptx, "qkv_rope": _qkv_ptx, "fused_gemm_rows": _rows_ptx}
+_WHOLE_TILE = ("fused_gemv", "qkv_rope")  # weights loaded whole before the PDL wait
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +99,7 @@ def _loads_after_wait(text: str) -> list[str]:
     return [line for line in tail.splitlines() if "ld.global" in line]
 
 
-@pytest.mark.parametrize("kernel", list(_KERNELS))
+@pytest.mark.parametrize("kernel", _WHOLE_TILE)
 def test_weight_loads_are_evict_first_and_activations_are_not(ptx, kernel):
     text = ptx[kernel]
     assert "griddepcontrol.wait" in text  # PDL: the weights are loaded before it
@@ -96,6 +109,17 @@ def test_weight_loads_are_evict_first_and_activations_are_not(ptx, kernel):
     after = _loads_after_wait(text)
     assert after, "x (the previous kernel's output) is loaded after the wait"
     assert not any(_HINTED.search(line) for line in after), after
+
+
+def test_pipelined_weight_copies_are_evict_first_and_activations_are_not(ptx):
+    """fused_gemm_rows walks K in tiles that Triton pipelines through shared memory: the
+    weights' asynchronous copies carry the hint, x's (the previous kernel's output) do not."""
+    text = ptx["fused_gemm_rows"]
+    assert _POLICY.search(text)
+    copies = [line for line in text.splitlines() if "cp.async.cg.shared.global" in line]
+    hinted = [line for line in copies if "L2::cache_hint" in line]
+    assert len(hinted) >= 8  # two weight tiles a stage, several 16-byte copies a thread each
+    assert len(copies) > len(hinted)  # x's tiles, plain
 
 
 if __name__ == "__main__":
