@@ -12,7 +12,7 @@ from .argmax import argmax_rows
 from .decode_attention import decode_attention
 from .embedding import embed_tokens, embed_tokens_ref
 from .fused_gemm_rows import fused_gemm_rows
-from .fused_gemv import ROW_SERIAL_ROWS, fused_gemv, fused_gemv_ref
+from .fused_gemv import ROW_SERIAL_ROWS, fused_gemv, fused_gemv_ref, tensor_core_rows
 from .kv_write import write_kv, write_kv_ref
 from .lora import (
     lora_expand,
@@ -51,6 +51,7 @@ __all__ = [
     "residual_rms_norm_ref",
     "rope_write_kv",
     "rope_write_kv_ref",
+    "tensor_core_rows",
     "write_kv",
     "write_kv_ref",
 ]

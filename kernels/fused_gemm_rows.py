@@ -1,4 +1,4 @@
-"""y = x @ weight.T for 3 to MAX_ROWS rows on tensor cores, with fused_gemv's neighbours fused in.
+"""y = x @ weight.T for a few rows on tensor cores (fused_gemv sends it 3-8), neighbours fused in.
 
 fused_gemv holds a program's whole [BLOCK_N, K] weight tile in registers and computes the rows
 one after another on the CUDA cores: the fastest way at 1-2 rows, but each further row costs a

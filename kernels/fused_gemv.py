@@ -61,8 +61,16 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (pdl_avail
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Up to this many rows the row-by-row kernel here; more go to the tensor-core kernel
-# (fused_gemm_rows.py) where it has the options asked for (not FP8 weights, not LoRA)
+# (fused_gemm_rows.py) where it has the options asked for (tensor_core_rows)
 ROW_SERIAL_ROWS = 2
+
+
+def tensor_core_rows(rows: int, weight_dtype: torch.dtype, lora) -> bool:
+    """Whether fused_gemv computes these rows on fused_gemm_rows.py's tensor cores: more than
+    ROW_SERIAL_ROWS of them, of float weights (not FP8) and without LoRA deltas, which only the
+    row-by-row kernels here and in qkv_rope.py take. The small-batch forward asks it too, to
+    know whether q/k/v should leave the one-launch norm_qkv_rope (row by row as well)."""
+    return rows > ROW_SERIAL_ROWS and weight_dtype != torch.float8_e4m3fn and lora is None
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -419,7 +427,7 @@ def fused_gemv(
     check_launchable(x, "x")
     if lora is not None and lora.rms and norm_weight is None:
         raise ValueError("lora.rms (a shrink of x * norm_weight) needs norm_weight")
-    if m > ROW_SERIAL_ROWS and not scaled and lora is None and config is None:
+    if config is None and tensor_core_rows(m, weight.dtype, lora):
         # (a tile config given is this kernel's: the tests of its GPU tiles at 3+ rows)
         return fused_gemm_rows(
             x, weight, norm_weight=norm_weight, eps=eps, up_weight=up_weight, bias=bias,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from hf_paged.kernels import fused_gemv, fused_gemv_ref, lora_segments
 from hf_paged.kernels.fused_gemv import rms_norm_ref
+from hf_paged.kernels.host_math import next_power_of_2
 from hf_paged.kernels.lora import (
     LoraEpilogue,
     lora_expand,
@@ -204,7 +205,7 @@ def _row_serial(x, w, **kw):
     """fused_gemv without LoRA on the kernel the LoRA epilogue runs in, with the interpreter's
     tile: without it, calls of more than ROW_SERIAL_ROWS rows go to the tensor-core kernel,
     whose sums come in another order (so not the same float32 bits)"""
-    block_n = min(64, 1 << (w.shape[0] - 1).bit_length())
+    block_n = min(64, next_power_of_2(w.shape[0]))
     return fused_gemv(x, w, config=dict(BLOCK_N=block_n, num_warps=4), **kw)
 
 

@@ -158,11 +158,9 @@ class SmallBatchForward:
         alone = lora.qkv_alone if lora is not None else None
         norm = layer.in_norm
         # norm + q/k/v (+ deltas) + RoPE + KV write in one launch, whose GEMV computes the rows
-        # one after another: past ROW_SERIAL_ROWS the q/k/v product goes to fused_gemv, which
-        # takes tensor cores there, unless FP8 weights or LoRA deltas keep it row by row anyway
-        serial = h.shape[0] <= k.ROW_SERIAL_ROWS or group is not None
-        serial = serial or _scales(layer.qkv) is not None
-        if self.cos_table is not None and not alone and serial:
+        # one after another: where fused_gemv would take tensor cores, q/k/v goes there instead
+        tc = k.tensor_core_rows(h.shape[0], layer.qkv.weight.dtype, group)
+        if self.cos_table is not None and not alone and not tc:
             return k.norm_qkv_rope(
                 h,
                 layer.qkv.weight,
